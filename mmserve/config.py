@@ -1,0 +1,74 @@
+"""Engine configuration: frozen dataclasses validated once at construction. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.errors import InvalidRequestError
+from mmserve.scheduler.policy import POLICIES
+
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # tokens computed per step, over all requests
+    max_num_seqs: int = 128  # requests running at once
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_model_len", self.max_model_len)
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(
+                f"scheduler_policy: must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}",
+                param="scheduler_policy",
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("block_size", self.block_size)
+        _check_positive("num_kv_blocks", self.num_blocks)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequestError(f"{name}: must be an integer >= 1, got {value!r}", param=name)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a user sets when starting an engine; resolved against the checkpoint by `EngineCore`."""
+
+    model: str
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes for the KV pool; ignored when num_kv_blocks is set
+    enable_prefix_caching: bool = True
+    scheduler_policy: str = "fcfs"
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise InvalidRequestError(f"device: must be 'cpu', 'cuda' or None, got {self.device!r}", param="device")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(
+                f"dtype: must be 'float32', 'bfloat16', 'float16' or None, got {self.dtype!r}", param="dtype"
+            )
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        # Fail on bad scheduler / cache values before any weights load.
+        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, policy=self.scheduler_policy)
+        CacheConfig(self.block_size, self.num_kv_blocks or 1, self.enable_prefix_caching)

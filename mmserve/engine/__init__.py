@@ -1,0 +1,1 @@
+"""The engine: core step loop, model runner, sampler, processor, detokenizer, offline `LLM`."""

@@ -1,0 +1,118 @@
+"""`LLM`: the offline API. Generates for a batch of prompts or conversations and returns outputs in
+input order, running the engine core's step loop in the calling thread."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from mmserve.config import EngineArgs
+from mmserve.engine.core import EngineCore
+from mmserve.engine.output_processor import OutputProcessor, RequestOutput
+from mmserve.engine.processor import Message, Processor, PromptType
+from mmserve.errors import InvalidRequestError
+from mmserve.request import RequestStatus, SamplingParams
+from mmserve.scheduler.scheduler import SchedulerStats
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        scheduler_policy: str = "fcfs",
+        max_model_len: int | None = None,
+    ) -> None:
+        args = EngineArgs(
+            model=str(model), device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+            scheduler_policy=scheduler_policy, max_model_len=max_model_len,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.engine = EngineCore(args)
+        self.processor = Processor(
+            self.tokenizer, self.engine.model_config.vocab_size, self.engine.max_model_len,
+            self.engine.model_config.eos_token_ids,
+        )
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        # Validate every prompt before queueing any, so a bad one leaves no request behind.
+        requests = [self.processor.process(p, sp, str(next(self._request_counter))) for p, sp in zip(prompts, params, strict=True)]
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the checkpoint's chat template applies."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.processor.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> SchedulerStats:
+        return self.engine.stats()
+
+    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        outputs = OutputProcessor(self.tokenizer)
+        order = {}
+        for i, (request, text) in enumerate(requests):
+            order[request.request_id] = i
+        added = []
+        try:
+            for request, text in requests:
+                self.engine.add_request(request)
+                added.append(request.request_id)
+                outputs.add_request(request, text)
+            results: list[RequestOutput | None] = [None] * len(requests)
+            with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+                while self.engine.has_unfinished_requests():
+                    updated, stopped = outputs.process(self.engine.step())
+                    for request_id in stopped:
+                        self.engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
+                    for out in updated:
+                        if out.finished:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return results  # type: ignore[return-value]
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise InvalidRequestError(f"sampling_params: got {len(params)} for {n} prompts", param="sampling_params")
+    return params

@@ -1,0 +1,118 @@
+"""Turns the core's `EngineCoreOutput`s into user-facing `RequestOutput`s: detokenizes, applies stop
+strings (telling the caller which requests to stop), and keeps per-request timing metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.request import Request
+from mmserve.scheduler.output import EngineCoreOutput
+
+
+@dataclass
+class RequestMetrics:
+    """Times from `time.monotonic()`."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """Everything a request has produced so far; `new_text` / `new_token_ids` are this update's share."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it, if any
+    logprobs: list[dict[int, float]] | None = None
+    metrics: RequestMetrics | None = None
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class _RequestState:
+    def __init__(self, request: Request, prompt: str | None, tokenizer: PreTrainedTokenizerBase) -> None:
+        params = request.sampling_params
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=params.stop)
+        self.output = RequestOutput(
+            request_id=request.request_id,
+            prompt=prompt,
+            prompt_token_ids=list(request.prompt_token_ids),
+            logprobs=[] if params.logprobs is not None else None,
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request, prompt: str | None) -> None:
+        self._states[request.request_id] = _RequestState(request, prompt, self.tokenizer)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Close a request the caller aborted; returns its final output."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        out = state.output
+        out.finish_reason, out.new_text, out.new_token_ids = "abort", "", []
+        out.metrics.finish_time = time.monotonic()
+        return out
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated outputs and the ids of requests a stop string ended (to abort in the core)."""
+        now = time.monotonic()
+        updated, stopped = [], []
+        for core_out in core_outputs:
+            state = self._states.get(core_out.request_id)
+            if state is None:
+                continue
+            out, metrics = state.output, state.output.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.num_cached_tokens = core_out.num_cached_tokens
+            metrics.last_token_time = now
+            out.token_ids.extend(core_out.new_token_ids)
+            if out.logprobs is not None and core_out.new_logprobs is not None:
+                out.logprobs.extend(core_out.new_logprobs)
+            out.new_token_ids = list(core_out.new_token_ids)
+            out.new_text = state.detokenizer.update(core_out.new_token_ids)
+            finish_reason = core_out.finish_reason
+            if state.detokenizer.stop_reason is not None:
+                if finish_reason is None:
+                    stopped.append(core_out.request_id)
+                finish_reason, out.stop_reason = "stop", state.detokenizer.stop_reason
+            elif finish_reason is not None:
+                out.new_text += state.detokenizer.flush()
+                last = core_out.new_token_ids[-1]
+                if finish_reason == "stop" and last in state.params.stop_token_ids:
+                    out.stop_reason = last
+            out.text = state.detokenizer.output_text
+            if finish_reason is not None:
+                out.finish_reason = finish_reason
+                metrics.finish_time = now
+                del self._states[core_out.request_id]
+            updated.append(out)
+        return updated, stopped

@@ -1,0 +1,83 @@
+"""Pure-torch paged KV cache kernels: the specification every fast kernel must match, and the CPU path.
+
+KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
+Token t of a sequence lives in block block_table[t // block_size] at offset t % block_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new K/V into their slots. key, value: [num_tokens, num_kv_heads, head_dim];
+    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch over the paged cache (which already holds the new K/V).
+
+    query: [num_tokens, num_heads, head_dim], sequence i owning rows
+    query_start_loc[i] : query_start_loc[i + 1]; those are the last tokens of its seq_lens[i]
+    context tokens, so a decode has one row and a prefill chunk many.
+    block_tables: [num_seqs, max_blocks_per_seq]. Returns [num_tokens, num_heads, head_dim].
+    Decodes are batched in one padded call; prefill chunks go one by one.
+    """
+    out = torch.empty_like(query)
+    decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    if decodes:
+        rows = torch.tensor([query_start_loc[i] for i in decodes], device=query.device)
+        lens = torch.tensor([seq_lens[i] for i in decodes], device=query.device)
+        out[rows] = _decode_attention(query[rows], kv_cache, block_tables[decodes], lens, max(seq_lens[i] for i in decodes), scale)
+    for i in range(len(seq_lens)):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        if end - start == 1:
+            continue
+        key, value = _gather_kv(kv_cache, block_tables[i], seq_lens[i])  # [seq_len, num_kv_heads, head_dim]
+        num_q, seq_len = end - start, seq_lens[i]
+        # Query j sits at position seq_len - num_q + j and sees keys up to there.
+        q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [num_q, seq_len]
+        out[start:end] = _sdpa(query[start:end], key, value, mask, scale)
+    return out
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    block_size = kv_cache.shape[2]
+    blocks = block_table[: -(-seq_len // block_size)]
+    kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # [2, seq_len, num_kv_heads, head_dim]
+    return kv[0], kv[1]
+
+
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float
+) -> torch.Tensor:
+    """One query row per sequence. query: [num_seqs, num_heads, head_dim]."""
+    block_size = kv_cache.shape[2]
+    blocks = block_tables[:, : -(-max_len // block_size)]  # [num_seqs, nb]
+    kv = kv_cache[:, blocks].flatten(2, 3)[:, :, :max_len]  # [2, num_seqs, max_len, num_kv_heads, head_dim]
+    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
+    q = query.unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_seqs, num_kv_heads, max_len, head_dim]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """query: [num_q, num_heads, head_dim]; key/value: [seq_len, num_kv_heads, head_dim]; mask: [num_q, seq_len]."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)

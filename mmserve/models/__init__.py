@@ -1,0 +1,1 @@
+"""Decoder language models with paged attention, and their weight loader."""

@@ -1,0 +1,137 @@
+"""mmserve's Qwen2-family decoder: Qwen2 / Qwen2.5 text models and the language model of Qwen2-VL /
+Qwen2.5-VL (M-RoPE), plus Llama-style checkpoints (no qkv bias). Attention goes through the paged
+KV cache kernels; the model knows nothing of requests or scheduling."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.engine.forward_batch import ForwardBatch
+from mmserve.kernels.dispatch import AttentionBackend
+from mmserve.models.config import DecoderConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as transformers' Qwen2RMSNorm does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Rotary embedding over three position rows (t, h, w); the frequency dims are split into
+    `mrope_section` parts, part i rotating with row i. Equal rows give plain 1-D RoPE."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
+        section = mrope_section or [head_dim // 2]
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {head_dim // 2}")
+        # Which position row drives each frequency: [head_dim / 2]
+        row = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+        self.register_buffer("row_of_freq", row, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, num_tokens] -> cos, sin: [num_tokens, 1, head_dim]."""
+        pos = positions.float().gather(0, self.row_of_freq[:, None].expand(-1, positions.shape[1]))  # [head_dim/2, T]
+        freqs = pos.t() * self.inv_freq  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; rotate-half convention (transformers')."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.backend.store_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        out = self.backend.paged_attention(
+            q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[torch.Tensor],
+        inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]; media embeddings spliced in
+    ) -> torch.Tensor:
+        """Returns the final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, batch, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden).float()
+

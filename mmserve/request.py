@@ -1,0 +1,169 @@
+"""Request state shared by the scheduler and the engine: `SamplingParams`, `Request`, statuses.
+
+Torch-free on purpose: the scheduler imports it. It knows token ids, never text or tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mmserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Validated once at construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None or -1: no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs besides the chosen token
+    priority: int = 0  # smaller is served first by the `priority` policy (vLLM's convention)
+
+    def __post_init__(self) -> None:
+        # Accept lists / a single string from users; store tuples so the object stays hashable.
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", None)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param}: {message}", param=param)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+            raise bad("temperature", f"must be a number in [0, 100], got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            raise bad("top_k", f"must be None, -1 or an integer >= 1, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not (0 <= self.logprobs <= 20)):
+            raise bad("logprobs", f"must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if not _is_int(self.priority):
+            raise bad("priority", f"must be an integer, got {self.priority!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN is not a number here
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Every status from here on is final.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Where one media item's embedding tokens sit in the prompt: [offset, offset + length)."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MultiModalInput:
+    """One media item of a request. `mm_hash` identifies its content for caches."""
+
+    mm_hash: str
+    placeholder: PlaceholderRange
+    modality: str  # "image" | "video"
+
+
+@dataclass(eq=False)  # identity: requests are compared as objects, never by value
+class Request:
+    """A request as the scheduler sees it: token ids, progress and status.
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens; the KV cache holds exactly the first
+    num_computed_tokens tokens of `all_token_ids` while the request is RUNNING.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()  # the model's end tokens; ignored with ignore_eos
+    arrival_time: float = field(default_factory=time.monotonic)
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    # Positions for M-RoPE after the prompt: position of token i >= len(prompt) is i + mrope_delta.
+    mrope_delta: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit length at first scheduling
+    num_preemptions: int = 0
+    # Chain hashes of the full blocks of all_token_ids, filled by the KV cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
+    arrival_seq: int = 0  # tie-breaker that keeps FCFS stable; set by the scheduler
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.sampling_params.priority
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,1 @@
+"""CPU-side scheduling: token budget, KV block allocation, policies. Must never import torch."""

@@ -1,0 +1,168 @@
+"""KV block bookkeeping: which request holds which blocks, ref counts, prefix-cache hashes, LRU reuse.
+
+Owns block ids only; the tensors live in the model runner. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from mmserve.request import Request
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple[str, ...] = ()) -> bytes:
+    """Chain hash of one full block: parent hash, its token ids and the media items it overlaps.
+
+    Media hashes make two prompts with the same placeholder tokens but different images differ.
+    """
+    h = hashlib.sha256(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        h.update(b"\x00" + key.encode())
+    return h.digest()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Fixed-size blocks in one pool. A block is free when no request holds it (ref count 0).
+
+    Free blocks sit in `_free` in eviction order (front first). A free block may still carry a
+    prefix hash, so a later request can take it back with its contents; it loses the hash only
+    when it is handed out for new tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_cnt = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id holding that content
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._req_blocks: dict[str, list[int]] = {}
+        self._req_num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._req_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request not yet running: (block ids, number of tokens).
+
+        At least one token is left to compute, so the step that finishes the prompt has logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # -- changes ---------------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out.
+
+        `computed_blocks` are prefix-cache hits for a request being admitted; they are taken
+        in front of any new block.
+        """
+        computed_blocks = computed_blocks or []
+        held = self._req_blocks.setdefault(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_needed = cdiv(num_tokens_after, self.block_size) - len(held) - len(computed_blocks)
+        num_revived = sum(1 for b in computed_blocks if self._ref_cnt[b] == 0)
+        if num_needed > len(self._free) - num_revived:
+            if not held:
+                del self._req_blocks[request.request_id]
+            return None
+        for block_id in computed_blocks:
+            if self._ref_cnt[block_id] == 0:
+                del self._free[block_id]
+            self._ref_cnt[block_id] += 1
+        new_blocks = [self._pop_free_block() for _ in range(max(num_needed, 0))]
+        held.extend(computed_blocks)
+        held.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, num_tokens_after)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks. Tail blocks are freed first, so they are evicted first."""
+        blocks = self._req_blocks.pop(request.request_id, [])
+        self._req_num_hashed.pop(request.request_id, None)
+        for block_id in reversed(blocks):
+            self._ref_cnt[block_id] -= 1
+            if self._ref_cnt[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)  # worthless content: reuse first
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. after weights change)."""
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
+        self._req_num_hashed = dict.fromkeys(self._req_num_hashed, 0)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _pop_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block_hash = self._block_hash[block_id]
+        if block_hash is not None:
+            if self._cached.get(block_hash) == block_id:
+                del self._cached[block_hash]
+            self._block_hash[block_id] = None
+        self._ref_cnt[block_id] = 1
+        return block_id
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the hashes of the request's blocks that are full once `num_tokens` are computed."""
+        num_full = num_tokens // self.block_size
+        start = self._req_num_hashed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        held = self._req_blocks[request.request_id]
+        for i in range(start, num_full):
+            block_hash = request.block_hashes[i]
+            if block_hash not in self._cached and self._block_hash[held[i]] is None:
+                self._cached[block_hash] = held[i]
+                self._block_hash[held[i]] = block_hash
+        self._req_num_hashed[request.request_id] = num_full
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), request.num_tokens // bs):
+            start, end = i * bs, (i + 1) * bs
+            extra = tuple(
+                mm.mm_hash
+                for mm in request.mm_inputs
+                if mm.placeholder.offset < end and start < mm.placeholder.offset + mm.placeholder.length
+            )
+            parent = hashes[i - 1] if i else b""
+            hashes.append(hash_block(parent, request.all_token_ids[start:end], extra))

@@ -1,0 +1,77 @@
+"""The scheduler <-> model runner contract: one plan goes down, one list-based output comes back.
+
+Pure data, torch-free. The scheduler produces `SchedulerOutput`; only `ModelRunnerOutput` flows back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.request import MultiModalInput, SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes tokens all_token_ids[num_computed_tokens : num_computed_tokens + len(token_ids)]
+    and writes their K/V through `block_ids`. It samples one token iff `sample` is true, i.e. the
+    chunk reaches the end of the request's known tokens.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]  # [num_scheduled_tokens]
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_ids: tuple[int, ...]  # the whole block table; covers num_computed_tokens + len(token_ids)
+    sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int  # tokens generated so far; seeds per-step sampling noise
+    mrope_delta: int = 0
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The plan of one step. `scheduled` is in batch order; the runner keeps that order."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    num_scheduled_tokens: int
+    # Requests that ended since the last plan, so the runner can drop any state it keeps for them.
+    finished_request_ids: frozenset[str] = frozenset()
+    preempted_request_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled tokens of one step, one row per `ScheduledRequest` with `sample` set, in plan order.
+
+    `logprobs[i]` maps token id -> logprob (the chosen token plus the top-k) when that request
+    asked for logprobs, else None.
+    """
+
+    request_ids: tuple[str, ...]
+    sampled_token_ids: tuple[int, ...]
+    logprobs: tuple[dict[int, float] | None, ...]
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request: new token ids, their logprobs, and whether it ended."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[dict[int, float], ...] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

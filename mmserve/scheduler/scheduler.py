@@ -1,0 +1,242 @@
+"""The token-budget scheduler: grants each request some tokens per step, allocates their KV
+blocks, preempts by recompute when blocks run out, and applies sampled tokens. Torch-free.
+
+There are no prefill/decode phases: a request has `num_computed_tokens` and `num_tokens`, and a
+step grants it up to the difference (a decode is a grant of one token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+from mmserve.config import CacheConfig, SchedulerConfig
+from mmserve.errors import InvalidRequestError, PromptTooLongError
+from mmserve.request import Request, RequestStatus
+from mmserve.scheduler.kv_cache_manager import KVCacheManager
+from mmserve.scheduler.output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from mmserve.scheduler.policy import get_policy
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_total_blocks: int
+    num_free_blocks: int  # blocks no request holds, cached or not
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.policy = get_policy(scheduler_config.policy)
+        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by policy.sort_key
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+        self._arrival_seq = itertools.count()
+        self._finished_ids: set[str] = set()  # since the last plan
+        self._preempted_ids: set[str] = set()
+
+    # -- requests in and out ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", param="request_id")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
+        if n >= self.config.max_model_len:
+            raise PromptTooLongError(
+                f"prompt: {n} tokens leave no room for output within max_model_len={self.config.max_model_len}",
+                param="prompt",
+            )
+        if not self.policy.chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt: {n} tokens exceed max_num_batched_tokens={self.config.max_num_batched_tokens}, "
+                f"and policy {self.policy.name!r} does not chunk prefills",
+                param="prompt",
+            )
+        request.arrival_seq = next(self._arrival_seq)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue_waiting(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """End a request from outside (abort, stop string). False if it is unknown or already done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_total_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+        )
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        grants: dict[str, int] = {}  # request id -> tokens granted this step, in batch order
+        budget = self.config.max_num_batched_tokens
+        if self.policy.prefill_first:
+            budget = self._schedule_waiting(grants, budget)
+        if not grants:
+            budget, preempted = self._schedule_running(grants, budget)
+            if not preempted and not self.policy.prefill_first:
+                self._schedule_waiting(grants, budget)
+
+        scheduled = []
+        for request_id, num_new_tokens in grants.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            end = start + num_new_tokens
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=request_id,
+                    token_ids=tuple(request.all_token_ids[start:end]),
+                    num_computed_tokens=start,
+                    block_ids=tuple(self.kv.block_ids(request_id)),
+                    sample=end == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    num_output_tokens=request.num_output_tokens,
+                    mrope_delta=request.mrope_delta,
+                    mm_inputs=tuple(request.mm_inputs),
+                )
+            )
+            # Advanced now, so that a chunked prefill's next chunk can be planned next step.
+            request.num_computed_tokens = end
+        plan = SchedulerOutput(
+            scheduled=tuple(scheduled),
+            num_scheduled_tokens=sum(grants.values()),
+            finished_request_ids=frozenset(self._finished_ids),
+            preempted_request_ids=frozenset(self._preempted_ids),
+        )
+        self._finished_ids.clear()
+        self._preempted_ids.clear()
+        return plan
+
+    def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens and finish requests that stop. One output per sampled request."""
+        outputs = []
+        for request_id, token_id, logprobs in zip(
+            runner_output.request_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
+        ):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted after this plan was made; its token is dropped
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=(token_id,),
+                    new_logprobs=(logprobs,) if logprobs is not None else None,
+                    finish_reason=status.finish_reason if status is not None else None,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                )
+            )
+        return outputs
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _schedule_running(self, grants: dict[str, int], budget: int) -> tuple[int, bool]:
+        """Grant running requests tokens, decodes before partial prefills. Returns (budget, preempted?)."""
+        preempted = False
+        # Stable sort: decodes (one token left) first, each group in admission order.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new_tokens) is None:
+                victim = self.policy.pick_victim(self.running)
+                budget += grants.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                grants[request.request_id] = num_new_tokens
+                budget -= num_new_tokens
+        return budget, preempted
+
+    def _schedule_waiting(self, grants: dict[str, int], budget: int) -> int:
+        if not self.policy.admit_while_running and self.running:
+            return budget
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_cached
+            if not self.policy.chunked_prefill and num_new_tokens > budget:
+                break
+            num_new_tokens = min(num_new_tokens, budget)
+            if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                break
+            self.waiting.pop(0)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            grants[request.request_id] = num_new_tokens
+            budget -= num_new_tokens
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the request's KV and send it back to the waiting queue."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_ids.add(request.request_id)
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self.policy.sort_key)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if (not params.ignore_eos and token_id in request.eos_token_ids) or token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
