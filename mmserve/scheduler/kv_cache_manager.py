@@ -141,7 +141,7 @@ class KVCacheManager:
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that are full once `num_tokens` are computed."""
-        num_full = num_tokens // self.block_size
+        num_full = min(num_tokens, request.num_tokens) // self.block_size  # only blocks whose tokens are known
         start = self._req_num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -173,6 +173,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens == 0:
+                continue  # its last sampled token has not been applied yet
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
                 budget += grants.pop(victim.request_id, 0)
