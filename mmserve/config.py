@@ -8,7 +8,6 @@ from mmserve.errors import InvalidRequestError
 from mmserve.scheduler.policy import POLICIES
 
 
-
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step, over all requests

@@ -15,7 +15,7 @@ from mmserve.engine.core import EngineCore
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, Processor, PromptType
 from mmserve.errors import InvalidRequestError
-from mmserve.request import RequestStatus, SamplingParams
+from mmserve.request import Request, RequestStatus, SamplingParams
 from mmserve.scheduler.scheduler import SchedulerStats
 
 
@@ -79,11 +79,9 @@ class LLM:
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
 
-    def _run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[tuple[Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         outputs = OutputProcessor(self.tokenizer)
-        order = {}
-        for i, (request, text) in enumerate(requests):
-            order[request.request_id] = i
+        order = {request.request_id: i for i, (request, _) in enumerate(requests)}
         added = []
         try:
             for request, text in requests:

@@ -6,7 +6,7 @@ Text and templates end here; the engine core only ever sees token ids.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -14,7 +14,7 @@ from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.request import Request, SamplingParams
 
 # A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
-PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+PromptType = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 

@@ -4,8 +4,8 @@ the default (triton on CUDA, torch elsewhere)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

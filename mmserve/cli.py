@@ -1,0 +1,79 @@
+"""The `mmserve` command line: `make-tiny-model` and `generate` (an offline demo) for now;
+`serve`, `bench` and `chat` join as they are built."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmserve", description="Serve vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
+    tiny.add_argument("out_dir", type=Path)
+    tiny.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen2"])
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    tiny.add_argument("--seed", type=int, default=0)
+
+    gen = sub.add_parser("generate", help="offline generation: chat prompts in, streamed-free text out")
+    gen.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                     help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, generated if missing)")
+    gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+
+    args = parser.parse_args(argv)
+    if args.command == "make-tiny-model":
+        from mmserve.tiny_model import make_tiny_model
+
+        path = make_tiny_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed)
+        print(f"wrote {args.arch} ({args.preset}) checkpoint to {path}")
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mmserve import LLM, SamplingParams
+
+    if not args.model.exists() and args.model == DEFAULT_MODEL_DIR:
+        from mmserve.tiny_model import make_tiny_model
+
+        print(f"no model at {args.model}: generating the tiny random default (its answers are noise)", file=sys.stderr)
+        make_tiny_model(args.model)
+    prompts = args.prompt or [
+        "Describe a red circle on a white background.",
+        "What is the capital of France?",
+        "Write a haiku about paged attention.",
+    ]
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    start = time.perf_counter()
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(prompts, outputs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                              "num_tokens": len(out.token_ids)}))
+        else:
+            print(f"> {prompt}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]\n")
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny checkpoints generated once per test session (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """arch -> directory of a tiny random checkpoint of that architecture (made on first use)."""
+    from mmserve.tiny_model import make_tiny_model
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, preset="tiny", seed=0)
+        return made[arch]
+
+    return get
