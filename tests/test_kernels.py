@@ -1,0 +1,72 @@
+"""The torch paged-attention reference against dense causal attention, on shuffled physical blocks,
+chunks that start and end mid-block, ragged batches mixing decodes and chunks, and GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.kernels import reference
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [num_q, H, D] (the last num_q positions); k, v: [seq_len, Hkv, D]. Plain causal attention."""
+    num_q, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    q_pos = torch.arange(seq_len - num_q, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v.double()).to(q.dtype)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)])
+def test_paged_attention_matches_dense(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    torch.manual_seed(0)
+    head_dim, num_blocks = 16, 64
+    # (cached tokens before this step, new tokens this step): decodes, mid-block chunks, a fresh prefill.
+    seqs = [(0, 1), (5, 1), (17, 1), (3, 9), (0, 23), (block_size, block_size), (30, 2)]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    free = torch.randperm(num_blocks).tolist()  # shuffled physical blocks
+    block_tables, keys, values, queries, slots = [], [], [], [], []
+    query_start_loc, seq_lens = [0], []
+    for cached, new in seqs:
+        seq_len = cached + new
+        blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
+        block_tables.append(blocks)
+        k = torch.randn(seq_len, num_kv_heads, head_dim)
+        v = torch.randn(seq_len, num_kv_heads, head_dim)
+        for pos in range(cached):  # context already in the cache
+            kv_cache[0, blocks[pos // block_size], pos % block_size] = k[pos]
+            kv_cache[1, blocks[pos // block_size], pos % block_size] = v[pos]
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, seq_len)]
+        keys.append(k)
+        values.append(v)
+        queries.append(torch.randn(new, num_heads, head_dim))
+        query_start_loc.append(query_start_loc[-1] + new)
+        seq_lens.append(seq_len)
+    width = max(len(b) for b in block_tables)
+    table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(keys, seqs, strict=True)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(values, seqs, strict=True)])
+    # Non-contiguous inputs, as the qkv split produces them.
+    new_k = torch.cat([new_k, new_k], dim=-1)[..., :head_dim]
+    assert not new_k.is_contiguous()
+    reference.store_kv_cache(new_k, new_v, kv_cache, torch.tensor(slots))
+    query = torch.cat(queries)
+    scale = head_dim**-0.5
+    out = reference.paged_attention(query, kv_cache, table, query_start_loc, seq_lens, scale)
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        expected = dense_attention(query[start:end], k, v, scale)
+        torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_cache_writes_only_the_given_slots() -> None:
+    kv_cache = torch.zeros(2, 4, 2, 1, 3)
+    key, value = torch.ones(2, 1, 3), torch.full((2, 1, 3), 2.0)
+    reference.store_kv_cache(key, value, kv_cache, torch.tensor([5, 0]))
+    assert kv_cache[0, 2, 1].eq(1).all() and kv_cache[1, 0, 0].eq(2).all()
+    assert kv_cache.count_nonzero() == 2 * 2 * 3
