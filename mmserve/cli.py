@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from mmserve.bench import SYSTEMS
+
 DEFAULT_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")
 
 
@@ -24,14 +26,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     gen = sub.add_parser("generate", help="offline generation: chat prompts in, streamed-free text out")
-    gen.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
-                     help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, generated if missing)")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, generated if missing)",
+    )
     gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--device", default=None)
     gen.add_argument("--dtype", default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+
+    bench = sub.add_parser("bench", help="measure speed, side by side in one run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tput = bench_sub.add_parser(
+        "throughput", help="offline throughput of mmserve and transformers on the same requests"
+    )
+    tput.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory (default: the bench preset, generated into ~/.cache/mmserve)",
+    )
+    tput.add_argument("--systems", default="mmserve,hf-static", help="comma-separated: " + ",".join(SYSTEMS))
+    tput.add_argument("--num-prompts", type=int, default=64)
+    tput.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens")
+    tput.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens")
+    tput.add_argument("--max-num-seqs", type=int, default=64)
+    tput.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    tput.add_argument("--hf-batch-size", type=int, default=16)
+    tput.add_argument("--seed", type=int, default=0)
+    tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
 
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
@@ -42,7 +69,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench":
+        return _bench_throughput(args)
     return 2
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from mmserve.bench.throughput import bench_throughput, format_report
+
+    model = args.model
+    if model is None:
+        from mmserve.tiny_model import make_tiny_model
+
+        model = Path.home() / ".cache" / "mmserve" / "bench-qwen2_vl"
+        if not (model / "config.json").exists():
+            make_tiny_model(model, arch="qwen2_vl", preset="bench", seed=0)
+    report = bench_throughput(
+        model,
+        args.systems.split(","),
+        args.num_prompts,
+        _parse_range(args.input_len),
+        _parse_range(args.output_len),
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.hf_batch_size,
+        args.seed,
+        args.json,
+    )
+    print(format_report(report))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -51,7 +111,10 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.model.exists() and args.model == DEFAULT_MODEL_DIR:
         from mmserve.tiny_model import make_tiny_model
 
-        print(f"no model at {args.model}: generating the tiny random default (its answers are noise)", file=sys.stderr)
+        print(
+            f"no model at {args.model}: generating the tiny random default (its answers are noise)",
+            file=sys.stderr,
+        )
         make_tiny_model(args.model)
     prompts = args.prompt or [
         "Describe a red circle on a white background.",
@@ -65,13 +128,23 @@ def _generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs, strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
-                              "num_tokens": len(out.token_ids)}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "finish_reason": out.finish_reason,
+                        "num_tokens": len(out.token_ids),
+                    }
+                )
+            )
         else:
             print(f"> {prompt}\n{out.text!r}  [{len(out.token_ids)} tokens, {out.finish_reason}]\n")
     num_tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)",
-          file=sys.stderr)
+    print(
+        f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s ({num_tokens / elapsed:.1f} tok/s)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -60,7 +60,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise InvalidRequestError(f"device: must be 'cpu', 'cuda' or None, got {self.device!r}", param="device")
+            raise InvalidRequestError(
+                f"device: must be 'cpu', 'cuda' or None, got {self.device!r}", param="device"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise InvalidRequestError(
                 f"dtype: must be 'float32', 'bfloat16', 'float16' or None, got {self.dtype!r}", param="dtype"

@@ -19,7 +19,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 
     def get(arch: str) -> Path:
         if arch not in made:
-            made[arch] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, preset="tiny", seed=0)
+            made[arch] = make_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, preset="tiny", seed=0
+            )
         return made[arch]
 
     return get

@@ -64,11 +64,15 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm: LLM, mod
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate("once upon a time", seeded)[0].token_ids
     others = [SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)] * 5
-    batch = llm.generate(["x y z", "once upon a time", "q", "r s", "t", "u v w"], [others[0], seeded, *others[1:]])
+    batch = llm.generate(
+        ["x y z", "once upon a time", "q", "r s", "t", "u v w"], [others[0], seeded, *others[1:]]
+    )
     assert batch[1].token_ids == alone
     # Also under preemption, in a pool too small for everyone at once.
     small = LLM(model_dir, num_kv_blocks=6, block_size=8, max_num_batched_tokens=16)
-    squeezed = small.generate(["x y z " * 5, "once upon a time", "q " * 9, "r s " * 6], [others[0], seeded, others[1], others[2]])
+    squeezed = small.generate(
+        ["x y z " * 5, "once upon a time", "q " * 9, "r s " * 6], [others[0], seeded, others[1], others[2]]
+    )
     assert small.stats().num_preemptions > 0
     assert squeezed[1].token_ids == alone
     different = llm.generate("once upon a time", SamplingParams(max_tokens=16, seed=99, ignore_eos=True))[0]
@@ -77,10 +81,14 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm: LLM, mod
 
 
 def test_stop_string_ends_output_before_it(llm: LLM) -> None:
-    base = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    base = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert len(base.text) > 6
     stop = base.text[3:6]
-    (out,) = llm.generate("the quick brown fox", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))
+    (out,) = llm.generate(
+        "the quick brown fox", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )
     cut = base.text.index(stop)
     assert out.text == base.text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -92,18 +100,25 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     base = llm.generate("count with me", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
     stop_id = base.token_ids[4]
     first = base.token_ids.index(stop_id)
-    (out,) = llm.generate("count with me", SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id], ignore_eos=True))
+    (out,) = llm.generate(
+        "count with me",
+        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_id], ignore_eos=True),
+    )
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
 
 def test_logprobs_hold_the_chosen_token_and_top_k(llm: LLM) -> None:
-    (out,) = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=3, ignore_eos=True))
+    (out,) = llm.generate(
+        "hello", SamplingParams(max_tokens=5, temperature=0.8, seed=3, logprobs=3, ignore_eos=True)
+    )
     assert len(out.logprobs) == 5
     for chosen, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert chosen in lp and 3 <= len(lp) <= 4
         assert all(v <= 0.0 for v in lp.values())
-    (greedy,) = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True))
+    (greedy,) = llm.generate(
+        "hello", SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)
+    )
     for chosen, lp in zip(greedy.token_ids, greedy.logprobs, strict=True):
         assert len(lp) == 2 and max(lp, key=lp.get) == chosen  # the chosen token is the top-1
     (none,) = llm.generate("hello", GREEDY)

@@ -26,8 +26,12 @@ def legacy_copy(src: Path, dst: Path) -> Path:
     rope = text.pop("rope_parameters")
     for key in ("model_type", "layer_types", "dtype"):
         text.pop(key, None)
-    legacy = {**config, **text, "rope_theta": rope["rope_theta"],
-              "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    legacy = {
+        **config,
+        **text,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
+    }
     (dst / "config.json").write_text(json.dumps(legacy, indent=2))
     tensors = load_file(src / "model.safetensors")
     renamed = {}
@@ -39,7 +43,9 @@ def legacy_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_legacy_layout_and_config_load_the_same_model(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+def test_legacy_layout_and_config_load_the_same_model(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     src = tiny_model_dir("qwen2_vl")
     dst = legacy_copy(src, tmp_path / "legacy")
     assert "model.layers.0.self_attn.q_proj.weight" in load_file(dst / "model.safetensors")

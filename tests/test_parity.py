@@ -34,18 +34,28 @@ def hf_reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[i
     for prompt in prompts:
         with torch.inference_mode():
             out = model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [
+            torch.log_softmax(step[0].float(), -1)[t].item()
+            for step, t in zip(out.logits, tokens, strict=True)
+        ]
         results.append((tokens, logprobs))
     return results
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, list, list, list]:
+def case(
+    request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
+) -> tuple[Path, list, list, list]:
     model_dir = tiny_model_dir(request.param)
     vocab_size = _vocab_size(model_dir)
     prompts = random_prompts(vocab_size, PROMPT_LENGTHS, seed=1)
@@ -106,15 +116,15 @@ def test_small_blocks_chunked_and_preempting(case: tuple) -> None:
 def test_prefix_caching_hits_and_keeps_output(case: tuple) -> None:
     model_dir, prompts, shared, expected = case
     llm = LLM(model_dir, block_size=16)
-    check(llm, shared, expected[len(prompts):])
+    check(llm, shared, expected[len(prompts) :])
     first = llm.stats().prefix_cache_hits
     assert first > 0  # later prompts of the batch reuse the first one's prefix blocks
-    check(llm, shared, expected[len(prompts):])  # again: everything but the last partial block hits
+    check(llm, shared, expected[len(prompts) :])  # again: everything but the last partial block hits
     assert llm.stats().prefix_cache_hits - first >= sum((len(p) - 1) // 16 * 16 for p in shared)
 
 
 def test_prefix_caching_off_gives_same_output(case: tuple) -> None:
     model_dir, prompts, shared, expected = case
     llm = LLM(model_dir, enable_prefix_caching=False, max_num_batched_tokens=50)
-    check(llm, shared, expected[len(prompts):])
+    check(llm, shared, expected[len(prompts) :])
     assert llm.stats().prefix_cache_hits == 0

@@ -15,16 +15,24 @@ from mmserve.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(
-    budget: int = 64, max_seqs: int = 16, num_blocks: int = 64, block_size: int = 4, policy: str = "fcfs",
-    max_model_len: int = 256, prefix_caching: bool = True,
+    budget: int = 64,
+    max_seqs: int = 16,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    policy: str = "fcfs",
+    max_model_len: int = 256,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(budget, max_seqs, max_model_len, policy), CacheConfig(block_size, num_blocks, prefix_caching)
+        SchedulerConfig(budget, max_seqs, max_model_len, policy),
+        CacheConfig(block_size, num_blocks, prefix_caching),
     )
 
 
 def make_request(rid: str, n: int, max_tokens: int = 4, first: int = 0, **kw: object) -> Request:
-    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
+    return Request(
+        rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+    )
 
 
 def fake_run(plan: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
@@ -56,7 +64,9 @@ def grants(plan: SchedulerOutput) -> dict[str, int]:
 
 
 def test_importing_scheduler_does_not_import_torch() -> None:
-    code = "import sys, mmserve.scheduler.scheduler, mmserve.scheduler.output; assert 'torch' not in sys.modules"
+    code = (
+        "import sys, mmserve.scheduler.scheduler, mmserve.scheduler.output; assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -168,7 +178,9 @@ def test_token_sampled_for_an_aborted_request_is_dropped() -> None:
 def test_stop_conditions() -> None:
     sched = make_scheduler(max_model_len=12)
     sched.add_request(Request("eos", [1, 2], SamplingParams(max_tokens=9), eos_token_ids=(7,)))
-    sched.add_request(Request("ignore", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_ids=(7,)))
+    sched.add_request(
+        Request("ignore", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True), eos_token_ids=(7,))
+    )
     sched.add_request(Request("stop_id", [1, 2], SamplingParams(max_tokens=9, stop_token_ids=[7])))
     sched.add_request(Request("context", [1] * 10, SamplingParams(max_tokens=9)))
     finished = {}

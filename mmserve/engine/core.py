@@ -26,13 +26,18 @@ class EngineCore:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _DTYPES[args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
         num_blocks = self._num_kv_blocks()
-        max_model_len = min(args.max_model_len or self.model_config.max_position_embeddings,
-                            self.model_config.max_position_embeddings, num_blocks * args.block_size)
+        max_model_len = min(
+            args.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            num_blocks * args.block_size,
+        )
         self.scheduler_config = SchedulerConfig(
             args.max_num_batched_tokens, args.max_num_seqs, max_model_len, args.scheduler_policy
         )
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.runner = ModelRunner(args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size)
+        self.runner = ModelRunner(
+            args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
 
     @property
@@ -80,7 +85,10 @@ class EngineCore:
 
 
 def _approx_weight_bytes(cfg: DecoderConfig, dtype: torch.dtype) -> int:
-    per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                 + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    per_layer = (
+        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     return (per_layer * cfg.num_layers + embeddings) * dtype.itemsize

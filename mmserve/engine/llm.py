@@ -36,15 +36,24 @@ class LLM:
         max_model_len: int | None = None,
     ) -> None:
         args = EngineArgs(
-            model=str(model), device=device, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-            scheduler_policy=scheduler_policy, max_model_len=max_model_len,
+            model=str(model),
+            device=device,
+            dtype=dtype,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduler_policy=scheduler_policy,
+            max_model_len=max_model_len,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.engine = EngineCore(args)
         self.processor = Processor(
-            self.tokenizer, self.engine.model_config.vocab_size, self.engine.max_model_len,
+            self.tokenizer,
+            self.engine.model_config.vocab_size,
+            self.engine.max_model_len,
             self.engine.model_config.eos_token_ids,
         )
         self._request_counter = itertools.count()
@@ -56,12 +65,17 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         # Validate every prompt before queueing any, so a bad one leaves no request behind.
-        requests = [self.processor.process(p, sp, str(next(self._request_counter))) for p, sp in zip(prompts, params, strict=True)]
+        requests = [
+            self.processor.process(p, sp, str(next(self._request_counter)))
+            for p, sp in zip(prompts, params, strict=True)
+        ]
         return self._run(requests, use_tqdm)
 
     def chat(
@@ -112,5 +126,7 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise InvalidRequestError(f"sampling_params: got {len(params)} for {n} prompts", param="sampling_params")
+        raise InvalidRequestError(
+            f"sampling_params: got {len(params)} for {n} prompts", param="sampling_params"
+        )
     return params

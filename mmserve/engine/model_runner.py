@@ -18,8 +18,13 @@ from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 class ModelRunner:
     def __init__(
-        self, model_dir: str | Path, cfg: DecoderConfig, device: torch.device, dtype: torch.dtype,
-        num_blocks: int, block_size: int,
+        self,
+        model_dir: str | Path,
+        cfg: DecoderConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
     ) -> None:
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.backend = get_attention_backend(device)
@@ -52,8 +57,10 @@ class ModelRunner:
         )
         out = self.sampler(logits, metadata)
         # The step's only host sync: copy every result at once.
-        host = [t.to("cpu", non_blocking=True) if t is not None else None
-                for t in (out.token_ids, out.logprob_token_ids, out.logprobs)]
+        host = [
+            t.to("cpu", non_blocking=True) if t is not None else None
+            for t in (out.token_ids, out.logprob_token_ids, out.logprobs)
+        ]
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         token_ids, lp_ids, lps = host
@@ -63,7 +70,9 @@ class ModelRunner:
             if k is None or lp_ids is None or lps is None:
                 logprobs.append(None)
             else:
-                logprobs.append(dict(zip(lp_ids[row, : k + 1].tolist(), lps[row, : k + 1].tolist(), strict=True)))
+                logprobs.append(
+                    dict(zip(lp_ids[row, : k + 1].tolist(), lps[row, : k + 1].tolist(), strict=True))
+                )
         return ModelRunnerOutput(
             request_ids=tuple(s.request_id for s in sampled),
             sampled_token_ids=tuple(token_ids.tolist()),

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 
-def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write new K/V into their slots. key, value: [num_tokens, num_kv_heads, head_dim];
     slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
@@ -40,7 +42,9 @@ def paged_attention(
     if decodes:
         rows = torch.tensor([query_start_loc[i] for i in decodes], device=query.device)
         lens = torch.tensor([seq_lens[i] for i in decodes], device=query.device)
-        out[rows] = _decode_attention(query[rows], kv_cache, block_tables[decodes], lens, max(seq_lens[i] for i in decodes), scale)
+        out[rows] = _decode_attention(
+            query[rows], kv_cache, block_tables[decodes], lens, max(seq_lens[i] for i in decodes), scale
+        )
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end - start == 1:
@@ -54,7 +58,9 @@ def paged_attention(
     return out
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)]
     kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # [2, seq_len, num_kv_heads, head_dim]
@@ -62,7 +68,12 @@ def _gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) 
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_len: int,
+    scale: float,
 ) -> torch.Tensor:
     """One query row per sequence. query: [num_seqs, num_heads, head_dim]."""
     block_size = kv_cache.shape[2]
@@ -71,13 +82,22 @@ def _decode_attention(
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
     q = query.unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [num_seqs, num_kv_heads, max_len, head_dim]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)
 
 
-def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """query: [num_q, num_heads, head_dim]; key/value: [seq_len, num_kv_heads, head_dim]; mask: [num_q, seq_len]."""
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+        query.transpose(0, 1),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(0, 1)

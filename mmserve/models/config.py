@@ -33,7 +33,9 @@ class DecoderConfig:
     def from_pretrained(cls, model_dir: str | Path) -> tuple[DecoderConfig, PretrainedConfig]:
         hf = AutoConfig.from_pretrained(model_dir)
         if hf.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {hf.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"model_type {hf.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
         text = hf.get_text_config()
         rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))

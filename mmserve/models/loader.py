@@ -62,22 +62,32 @@ def load_decoder_weights(model: Qwen2Decoder, model_dir: str | Path) -> None:
     _check_complete(model, params, loaded)
 
 
-def _copy_into(model: Qwen2Decoder, param: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None) -> None:
+def _copy_into(
+    model: Qwen2Decoder, param: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None
+) -> None:
     with torch.no_grad():
         if shard is None:
             if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
+                )
             param.copy_(tensor)
             return
         cfg = model.cfg
         if "qkv_proj" in name or name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
-            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+            sizes = [
+                cfg.num_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+                cfg.num_kv_heads * cfg.head_dim,
+            ]
         else:
             sizes = [cfg.intermediate_size, cfg.intermediate_size]
         start = sum(sizes[:shard])
         part = param.narrow(0, start, sizes[shard])
         if part.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(part.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(part.shape)}"
+            )
         part.copy_(tensor)
 
 
@@ -92,4 +102,6 @@ def _check_complete(model: Qwen2Decoder, params: dict[str, torch.Tensor], loaded
         elif name not in loaded:
             missing.append(name)
     if missing:
-        raise ValueError(f"checkpoint is missing decoder weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint is missing decoder weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )

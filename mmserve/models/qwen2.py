@@ -44,7 +44,9 @@ class MRotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [3, num_tokens] -> cos, sin: [num_tokens, 1, head_dim]."""
-        pos = positions.float().gather(0, self.row_of_freq[:, None].expand(-1, positions.shape[1]))  # [head_dim/2, T]
+        pos = positions.float().gather(
+            0, self.row_of_freq[:, None].expand(-1, positions.shape[1])
+        )  # [head_dim/2, T]
         freqs = pos.t() * self.inv_freq  # [T, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -67,7 +69,12 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
@@ -100,7 +107,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -134,4 +146,3 @@ class Qwen2Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
         return self.lm_head(hidden).float()
-

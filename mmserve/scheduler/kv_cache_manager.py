@@ -46,6 +46,7 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._req_blocks: dict[str, list[int]] = {}
         self._req_num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self.peak_num_used_blocks = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -93,7 +94,9 @@ class KVCacheManager:
         """
         computed_blocks = computed_blocks or []
         held = self._req_blocks.setdefault(request.request_id, [])
-        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_tokens_after = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
         num_needed = cdiv(num_tokens_after, self.block_size) - len(held) - len(computed_blocks)
         num_revived = sum(1 for b in computed_blocks if self._ref_cnt[b] == 0)
         if num_needed > len(self._free) - num_revived:
@@ -107,6 +110,7 @@ class KVCacheManager:
         new_blocks = [self._pop_free_block() for _ in range(max(num_needed, 0))]
         held.extend(computed_blocks)
         held.extend(new_blocks)
+        self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.num_blocks - len(self._free))
         if self.enable_prefix_caching:
             self._register_full_blocks(request, num_tokens_after)
         return new_blocks
@@ -141,7 +145,9 @@ class KVCacheManager:
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that are full once `num_tokens` are computed."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size  # only blocks whose tokens are known
+        num_full = (
+            min(num_tokens, request.num_tokens) // self.block_size
+        )  # only blocks whose tokens are known
         start = self._req_num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -34,7 +34,9 @@ POLICIES: dict[str, SchedulingPolicy] = {
     # vLLM V0's default: whole prefills only, and a step with prefills runs no decodes.
     "no_chunk": SchedulingPolicy("no_chunk", chunked_prefill=False, prefill_first=True),
     # Classic static batching: a batch is formed, run to completion, then the next is formed.
-    "static": SchedulingPolicy("static", chunked_prefill=False, prefill_first=True, admit_while_running=False),
+    "static": SchedulingPolicy(
+        "static", chunked_prefill=False, prefill_first=True, admit_while_running=False
+    ),
 }
 
 

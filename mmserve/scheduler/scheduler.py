@@ -28,6 +28,7 @@ from mmserve.scheduler.policy import get_policy
 class SchedulerStats:
     num_total_blocks: int
     num_free_blocks: int  # blocks no request holds, cached or not
+    peak_num_used_blocks: int  # most blocks held at once since start
     num_running: int
     num_waiting: int
     num_preemptions: int
@@ -43,7 +44,9 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.config = scheduler_config
         self.policy = get_policy(scheduler_config.policy)
-        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by policy.sort_key
         self.running: list[Request] = []  # in admission order
@@ -55,7 +58,9 @@ class Scheduler:
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", param="request_id")
+            raise InvalidRequestError(
+                f"request_id {request.request_id!r} is already in use", param="request_id"
+            )
         n = request.num_prompt_tokens
         if n == 0:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
@@ -90,6 +95,7 @@ class Scheduler:
         return SchedulerStats(
             num_total_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
+            peak_num_used_blocks=self.kv.peak_num_used_blocks,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
@@ -241,4 +247,3 @@ class Scheduler:
         request.status = status
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
-
