@@ -1,0 +1,293 @@
+"""Writes small random-weight Qwen2-VL / Qwen2.5-VL / Qwen2 checkpoints in the Hugging Face hub layout.
+
+Owns the presets, a locally trained byte-level BPE tokenizer and the chat template; knows nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    GenerationConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2")
+PRESET_NAMES = ("tiny", "bench")
+# Qwen2-VL's added tokens, in Qwen's id order (they follow the BPE vocab, as 151643.. do in Qwen).
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+# Qwen2's pre-tokenizer split (same regex as transformers' Qwen2Tokenizer, which rebuilds from it on load).
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# Qwen2-VL's template semantics, written from scratch: default system prompt, text/image/video parts.
+CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if loop.first and message['role'] != 'system' %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['content'] is string %}
+        {{- message['content'] }}
+    {%- elif message['content'] is not none %}
+        {%- for part in message['content'] %}
+            {%- set kind = part.get('type', '') %}
+            {%- if kind in ('image', 'image_url') or 'image' in part or 'image_url' in part %}
+                {%- set image_count.value = image_count.value + 1 %}
+                {%- if add_vision_id %}{{- 'Picture ' + image_count.value|string + ': ' }}{%- endif %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif kind in ('video', 'video_url') or 'video' in part or 'video_url' in part %}
+                {%- set video_count.value = video_count.value + 1 %}
+                {%- if add_vision_id %}{{- 'Video ' + video_count.value|string + ': ' }}{%- endif %}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+            {%- elif 'text' in part %}
+                {{- part['text'] }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+
+@dataclass(frozen=True)
+class Preset:
+    bpe_vocab: int  # merges + 256 byte symbols; the 14 special tokens come after
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int
+    vision_depth: int
+    vision_dim: int
+    vision_heads: int
+    vision_intermediate: int  # Qwen2.5-VL's gated MLP; Qwen2-VL uses mlp_ratio 4 instead
+    window_size: int  # Qwen2.5-VL window in pixels (window_size // 28 merged patches per side)
+    min_pixels: int
+    max_pixels: int
+    max_frames: int
+    # initializer_range; init_std * sqrt(hidden) ~ 1.1-1.6 keeps each layer's output above the input embedding,
+    # else greedy decoding of a random model mostly repeats the last token.
+    init_std: float
+    logit_std: float  # the final norm's gain is set so logits have about this std: top-1/top-2 gaps stay wide
+
+
+PRESETS = {
+    # 0.34 M (qwen2, tied) to 0.69 M (VL) parameters: for tests on the CPU.
+    "tiny": Preset(
+        bpe_vocab=4032, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, max_positions=4096,
+        vision_depth=2, vision_dim=32, vision_heads=2, vision_intermediate=96, window_size=56,
+        min_pixels=56 * 56, max_pixels=28 * 28 * 64, max_frames=16, init_std=0.2, logit_std=4.0,
+    ),
+    # 53 M (VL; 5 M of it vision) / 48 M (qwen2) parameters: for `mmserve bench`.
+    "bench": Preset(
+        bpe_vocab=8128, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=2816, max_positions=8192,
+        vision_depth=4, vision_dim=256, vision_heads=4, vision_intermediate=688, window_size=112,
+        min_pixels=56 * 56, max_pixels=28 * 28 * 256, max_frames=64, init_std=0.05, logit_std=4.0,
+    ),
+}  # fmt: skip
+
+
+def _corpus(n_lines: int) -> list[str]:
+    """Deterministic English-like text with digits, punctuation, accents, CJK and emoji."""
+    rng = random.Random(1234)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ou", "ea")]
+    common = (
+        "the of and to in is that it for you was with on as have be at by this from or an are not but what all "
+        "were when we there can said which do their if will each about how up out them then she many some so "
+        "these would other into has more her two like him see time could no make than first been its who now "
+        "people my made over did down only way find use may water long little very after words called just "
+        "where most know get through back much before go good new write our used me man too any day same right "
+        "look think also around another came come work three word must because does part even place well such "
+        "hello world user assistant system image video picture frame model token question answer describe"
+    ).split()
+    coined = ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(12000)]
+    words = common + coined + ["café", "naïve", "résumé", "señor", "über", "Straße", "garçon", "déjà"]
+    cum = list(itertools.accumulate(1.0 / (rank + 10) for rank in range(len(words))))  # Zipf-like weights
+    # Many rare CJK/emoji code points: they stay split into several byte-level tokens.
+    rare = [chr(0x4E00 + rng.randrange(0x5000)) for _ in range(400)] + [chr(0x1F600 + i) for i in range(64)]
+    phrases = ["你好", "世界", "模型", "图像", "视频", "こんにちは", "😀", "🚀", "👍", "❤️", "—", "…"]
+    puncts = [",", ".", "!", "?", ";", ":", " -", " (", ")", '"', "'s", "'re"]
+    lines = []
+    for _ in range(n_lines):
+        parts = []
+        for w in rng.choices(words, cum_weights=cum, k=rng.randint(4, 16)):
+            r = rng.random()
+            parts.append(
+                w.capitalize() if r < 0.1 else str(rng.randrange(10 ** rng.randint(1, 5))) if r < 0.15 else w
+            )
+            if r > 0.9:
+                parts.append(rng.choice(puncts))
+            elif r > 0.87:
+                parts.append(" " + rng.choice(phrases if r > 0.88 else rare))
+        lines.append(" ".join(parts) + rng.choice([".", "!", "?", "\n", " 123.", "\n\n"]))
+    return lines
+
+
+def build_tokenizer(bpe_vocab: int) -> Tokenizer:
+    """Qwen2's byte-level BPE pipeline, trained on `_corpus`; special tokens get ids bpe_vocab.. in order."""
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_vocab, min_frequency=2, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(_corpus(20000), trainer=trainer)
+    if tok.get_vocab_size() != bpe_vocab:  # the corpus must be rich enough to reach the target exactly
+        raise RuntimeError(f"BPE trained {tok.get_vocab_size()} tokens, wanted {bpe_vocab}")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _tokenizer_config(tok: Tokenizer) -> dict:
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True}
+        for t in SPECIAL_TOKENS
+    }  # fmt: skip
+    return {
+        "add_prefix_space": False, "added_tokens_decoder": added, "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "model_max_length": 32768, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+    }  # fmt: skip
+
+
+def build_config(arch: str, preset: str, tok_ids: dict[str, int], vocab_size: int) -> PreTrainedConfig:
+    """The transformers config for (arch, preset); `tok_ids` maps special token -> id."""
+    p = PRESETS[preset]
+    head_dim = p.hidden // p.heads
+    text = dict(
+        vocab_size=vocab_size, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
+        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, max_position_embeddings=p.max_positions,
+        max_window_layers=p.layers, rms_norm_eps=1e-6, initializer_range=p.init_std,
+        bos_token_id=tok_ids["<|endoftext|>"], eos_token_id=tok_ids["<|im_end|>"], dtype="float32",
+    )  # fmt: skip
+    if arch == "qwen2":
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        return Qwen2Config(**text, rope_parameters=rope, tie_word_embeddings=preset == "tiny")
+    # M-RoPE splits head_dim/2 frequencies over (t, h, w) as Qwen's [16, 24, 24] does for head_dim 128.
+    section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
+    ids = {k: tok_ids[f"<|{k}|>"] for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    common = dict(
+        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"], tie_word_embeddings=False,
+    )  # fmt: skip
+    vision: dict = dict(depth=p.vision_depth, num_heads=p.vision_heads, patch_size=14, temporal_patch_size=2,
+                        spatial_merge_size=2, in_channels=3, initializer_range=p.init_std)  # fmt: skip
+    if arch == "qwen2_vl":
+        vision.update(embed_dim=p.vision_dim, hidden_size=p.hidden, mlp_ratio=4)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+    # Qwen2.5-VL: window attention everywhere except the last block of each half (e.g. [1] for depth 2).
+    d = p.vision_depth
+    full = [d - 1] if d <= 2 else [d // 2 - 1, d - 1]
+    vision.update(hidden_size=p.vision_dim, intermediate_size=p.vision_intermediate, out_hidden_size=p.hidden,
+                  window_size=p.window_size, fullatt_block_indexes=full, tokens_per_second=2)  # fmt: skip
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+
+
+def model_class(arch: str) -> type[PreTrainedModel]:
+    """The transformers class whose `from_pretrained` loads `arch`'s checkpoints."""
+    return {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+            "qwen2": Qwen2ForCausalLM}[arch]  # fmt: skip
+
+
+@torch.no_grad()
+def _spread_weights(model: PreTrainedModel, p: Preset, never: list[int]) -> None:
+    """Make biases / norm gains non-trivial and logits well spread; rows `never` get logit 0 (never greedy)."""
+    for name, param in model.named_parameters():  # fixed order, so the same seed gives the same bytes
+        if param.ndim == 1:  # transformers inits these to 0 / 1, which would hide a bias or gain never loaded
+            param.copy_(torch.randn_like(param) * 0.1 + (0.0 if name.endswith("bias") else 1.0))
+    model.get_output_embeddings().weight[never] = 0.0  # the top logit of thousands with std 4 is ~ +13
+    # Normed hidden entries are ~1, so logit std ~ gain * std(lm_head) * sqrt(hidden). Scale the final norm's
+    # gain rather than lm_head: with tied weights that would grow the input embeddings too (greedy then
+    # just repeats the last token, since the residual stream is mostly that token's embedding).
+    lm_head_std = model.get_output_embeddings().weight.std()
+    model.get_decoder().norm.weight.mul_(p.logit_std / (p.hidden**0.5 * lm_head_std))
+
+
+def _preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
+    processor = "Qwen2VLProcessor" if arch == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    image = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "rescale_factor": 1 / 255, "resample": 3,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": p.min_pixels, "max_pixels": p.max_pixels,
+        "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+    }  # fmt: skip
+    video = {k: v for k, v in image.items() if k != "image_processor_type"}
+    video.update(video_processor_type="Qwen2VLVideoProcessor", fps=2.0, min_frames=4, max_frames=p.max_frames,
+                 do_sample_frames=False)  # fmt: skip
+    return image, video
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen2_vl", preset: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-weight checkpoint of `arch` to `out_dir` and return the path; same seed -> same bytes."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"preset must be one of {PRESET_NAMES}, got {preset!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    p = PRESETS[preset]
+
+    tok = build_tokenizer(p.bpe_vocab)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(tok))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+    vocab_size = -(-tok.get_vocab_size() // 64) * 64  # padded rows past the tokenizer, as Qwen has
+    config = build_config(arch, preset, ids, vocab_size)
+    torch.manual_seed(seed)
+    model = model_class(arch)(config).eval()
+    # Padded ids cannot be detokenized and a generated <|image_pad|> would read as a placeholder, so of the rows
+    # past the BPE vocab only the stop tokens may win. Tied rows are input embeddings too: zero padding only.
+    stops = {ids["<|im_end|>"], ids["<|endoftext|>"]}
+    first = tok.get_vocab_size() if config.tie_word_embeddings else p.bpe_vocab
+    never = [i for i in range(first, vocab_size) if i not in stops]
+    _spread_weights(model, p, never)
+    model.save_pretrained(out, safe_serialization=True)
+    gen = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], do_sample=False,
+    )  # fmt: skip
+    gen.save_pretrained(out)
+    if arch != "qwen2":
+        image, video = _preprocessor_configs(arch, p)
+        _write_json(out / "preprocessor_config.json", image)
+        _write_json(out / "video_preprocessor_config.json", video)
+    return out
