@@ -1,5 +1,6 @@
-"""Checkpoint loading: the older hub layout (flat config.json with `rope_scaling`, `model.*` /
-`visual.*` keys) gives the same model as transformers 5.x's layout; broken checkpoints fail clearly."""
+"""Checkpoint loading: transformers 5.x's key layout (`model.language_model.*`, `model.visual.*`) and
+the older hub one (`model.*`, `visual.*`, which `save_pretrained` still writes), current and legacy
+(flat, `rope_scaling`) config.json, all give the same model; broken checkpoints fail clearly."""
 
 from __future__ import annotations
 
@@ -18,8 +19,23 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(100, 160))]
 
 
-def legacy_copy(src: Path, dst: Path) -> Path:
-    """Rewrite a transformers-5 Qwen2-VL checkpoint the way the hub stored it before v5."""
+def rename_keys(model_dir: Path, rename: Callable[[str], str]) -> None:
+    tensors = load_file(model_dir / "model.safetensors")
+    renamed = {rename(key): tensor.contiguous() for key, tensor in tensors.items()}
+    (model_dir / "model.safetensors").unlink()
+    save_file(renamed, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def v5_layout(key: str) -> str:
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model."):
+        return "model.language_model." + key.removeprefix("model.")
+    return key
+
+
+def legacy_config_copy(src: Path, dst: Path) -> Path:
+    """Rewrite a Qwen2-VL config.json the way the hub stored it before transformers 5."""
     shutil.copytree(src, dst)
     config = json.loads((src / "config.json").read_text())
     text = config.pop("text_config")
@@ -33,27 +49,25 @@ def legacy_copy(src: Path, dst: Path) -> Path:
         "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]},
     }
     (dst / "config.json").write_text(json.dumps(legacy, indent=2))
-    tensors = load_file(src / "model.safetensors")
-    renamed = {}
-    for key, tensor in tensors.items():
-        key = key.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-        renamed[key] = tensor.contiguous()
-    (dst / "model.safetensors").unlink()
-    save_file(renamed, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
-def test_legacy_layout_and_config_load_the_same_model(
+def test_both_key_layouts_and_config_formats_load_the_same_model(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
     src = tiny_model_dir("qwen2_vl")
-    dst = legacy_copy(src, tmp_path / "legacy")
-    assert "model.layers.0.self_attn.q_proj.weight" in load_file(dst / "model.safetensors")
-    new_cfg, _ = DecoderConfig.from_pretrained(src)
-    old_cfg, _ = DecoderConfig.from_pretrained(dst)
-    assert old_cfg == new_cfg
+    assert "model.layers.0.self_attn.q_proj.weight" in load_file(src / "model.safetensors")  # hub layout
+    v5 = tmp_path / "v5"
+    shutil.copytree(src, v5)
+    rename_keys(v5, v5_layout)
+    keys = load_file(v5 / "model.safetensors").keys()
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in keys
+    assert any(k.startswith("model.visual.") for k in keys)
+    legacy = legacy_config_copy(src, tmp_path / "legacy")
+    assert DecoderConfig.from_pretrained(legacy)[0] == DecoderConfig.from_pretrained(src)[0]
     expected = [o.token_ids for o in LLM(src).generate(PROMPTS, GREEDY)]
-    assert [o.token_ids for o in LLM(dst).generate(PROMPTS, GREEDY)] == expected
+    for other in (v5, legacy):
+        assert [o.token_ids for o in LLM(other).generate(PROMPTS, GREEDY)] == expected
 
 
 def test_missing_weights_fail_with_their_names(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
