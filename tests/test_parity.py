@@ -62,6 +62,10 @@ def case(
     # Shared-prefix prompts: a 100-token system part, then different questions.
     prefix = random_prompts(vocab_size, (100,), seed=2)[0]
     shared = [prefix + tail for tail in random_prompts(vocab_size, (1, 5, 20, 37), seed=3)]
+    # Same as the last one but for one token at the end of a block: it must not share that block.
+    variant = list(shared[-1])
+    variant[47] = (variant[47] + 1) % vocab_size
+    shared.append(variant)
     return model_dir, prompts, shared, hf_reference(model_dir, prompts + shared)
 
 
