@@ -109,13 +109,34 @@ class PlaceholderRange:
     length: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MultiModalInput:
-    """One media item of a request. `mm_hash` identifies its content for caches."""
+    """One media item of a request. `mm_hash` identifies its content (pixels + processing) for caches.
+
+    Its embeddings fill the placeholder run and split evenly into `num_groups` temporal groups
+    (1 for an image), each encoded on its own: group g covers prompt positions
+    [offset + g * tokens_per_group, offset + (g + 1) * tokens_per_group).
+    """
 
     mm_hash: str
     placeholder: PlaceholderRange
     modality: str  # "image" | "video"
+    num_groups: int = 1
+    data: object = None  # preprocessed pixels for the encoder; opaque to the scheduler
+
+    def __post_init__(self) -> None:
+        if self.num_groups < 1 or self.placeholder.length % self.num_groups:
+            raise ValueError(
+                f"{self.placeholder.length} placeholder tokens do not split into {self.num_groups} groups"
+            )
+
+    @property
+    def tokens_per_group(self) -> int:
+        return self.placeholder.length // self.num_groups
+
+    def group_range(self, group: int) -> tuple[int, int]:
+        start = self.placeholder.offset + group * self.tokens_per_group
+        return start, start + self.tokens_per_group
 
 
 @dataclass(eq=False)  # identity: requests are compared as objects, never by value
@@ -132,7 +153,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # the model's end tokens; ignored with ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
-    # Positions for M-RoPE after the prompt: position of token i >= len(prompt) is i + mrope_delta.
+    # M-RoPE: prompt positions [3, num_prompt_tokens] (a tensor, opaque here; None for text, whose
+    # positions are 0..n-1), and position of token i >= len(prompt) is i + mrope_delta.
+    mrope_positions: object = None
     mrope_delta: int = 0
 
     status: RequestStatus = RequestStatus.WAITING

@@ -26,7 +26,9 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int  # tokens generated so far; seeds per-step sampling noise
-    mrope_delta: int = 0
+    num_prompt_tokens: int
+    mrope_positions: object = None  # [3, num_prompt_tokens] tensor for media prompts; None for text
+    mrope_delta: int = 0  # output token i (absolute index) sits at position i + mrope_delta
     mm_inputs: tuple[MultiModalInput, ...] = ()
 
     @property
@@ -35,11 +37,22 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class EncoderWork:
+    """Encode one temporal group of one media item this step; the runner caches the result
+    under (mm_input.mm_hash, group) until a later plan lists that key in `freed_encoder_keys`."""
+
+    mm_input: MultiModalInput
+    group: int
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """The plan of one step. `scheduled` is in batch order; the runner keeps that order."""
 
     scheduled: tuple[ScheduledRequest, ...]
     num_scheduled_tokens: int
+    encoder_work: tuple[EncoderWork, ...] = ()
+    freed_encoder_keys: tuple[tuple[str, int], ...] = ()  # drop these before running encoder_work
     # Requests that ended since the last plan, so the runner can drop any state it keeps for them.
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()
@@ -47,6 +60,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens that extend a request's output (one per decoding request)."""
+        return sum(1 for s in self.scheduled if s.num_computed_tokens >= s.num_prompt_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_scheduled_tokens - self.num_decode_tokens
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return sum(w.mm_input.tokens_per_group for w in self.encoder_work)
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError
-from mmserve.request import Request, RequestStatus
+from mmserve.request import MultiModalInput, Request, RequestStatus
+from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderKey
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.output import (
+    EncoderWork,
     EngineCoreOutput,
     ModelRunnerOutput,
     ScheduledRequest,
@@ -34,10 +36,24 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
+    encoder_cache_hits: int  # embedding tokens served from the encoder cache
+    num_encoder_tokens_computed: int  # embedding tokens the encoder computed
 
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass
+class _Step:
+    """What one `schedule()` call has decided so far."""
+
+    budget: int  # tokens left
+    encoder_budget: int  # embedding tokens the encoder may still compute
+    grants: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in batch order
+    encoder_work: list[EncoderWork] = field(default_factory=list)
+    # Encoder-cache references to drop once the plan is complete; key None drops all of a request's.
+    releases: list[tuple[str, EncoderKey | None]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -47,6 +63,7 @@ class Scheduler:
         self.kv = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
+        self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by policy.sort_key
         self.running: list[Request] = []  # in admission order
@@ -101,21 +118,23 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
+            encoder_cache_hits=self.encoder_cache.num_hit_tokens,
+            num_encoder_tokens_computed=self.encoder_cache.num_computed_tokens,
         )
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        grants: dict[str, int] = {}  # request id -> tokens granted this step, in batch order
-        budget = self.config.max_num_batched_tokens
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_tokens)
+        freed_encoder_keys = self.encoder_cache.take_freed()  # the runner drops these before encoding
         if self.policy.prefill_first:
-            budget = self._schedule_waiting(grants, budget)
-        if not grants:
-            budget, preempted = self._schedule_running(grants, budget)
+            self._schedule_waiting(step)
+        if not step.grants:
+            preempted = self._schedule_running(step)
             if not preempted and not self.policy.prefill_first:
-                self._schedule_waiting(grants, budget)
+                self._schedule_waiting(step)
 
         scheduled = []
-        for request_id, num_new_tokens in grants.items():
+        for request_id, num_new_tokens in step.grants.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
             end = start + num_new_tokens
@@ -128,15 +147,30 @@ class Scheduler:
                     sample=end == request.num_tokens,
                     sampling_params=request.sampling_params,
                     num_output_tokens=request.num_output_tokens,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    mrope_positions=request.mrope_positions,
                     mrope_delta=request.mrope_delta,
                     mm_inputs=tuple(request.mm_inputs),
                 )
             )
             # Advanced now, so that a chunked prefill's next chunk can be planned next step.
             request.num_computed_tokens = end
+            # Groups whose every token is now planned are no longer needed by this request.
+            for mm in request.mm_inputs:
+                for group in range(mm.num_groups):
+                    if mm.group_range(group)[1] <= end:
+                        step.releases.append((request_id, (mm.mm_hash, group)))
+        # Released only now, so that requests later in this plan could still share the entries.
+        for request_id, key in step.releases:
+            if key is None:
+                self.encoder_cache.release_all(request_id)
+            else:
+                self.encoder_cache.release(request_id, key)
         plan = SchedulerOutput(
             scheduled=tuple(scheduled),
-            num_scheduled_tokens=sum(grants.values()),
+            num_scheduled_tokens=sum(step.grants.values()),
+            encoder_work=tuple(step.encoder_work),
+            freed_encoder_keys=tuple(freed_encoder_keys),
             finished_request_ids=frozenset(self._finished_ids),
             preempted_request_ids=frozenset(self._preempted_ids),
         )
@@ -169,40 +203,47 @@ class Scheduler:
         return outputs
 
     # -- internals -----------------------------------------------------------------------------------
-    def _schedule_running(self, grants: dict[str, int], budget: int) -> tuple[int, bool]:
-        """Grant running requests tokens, decodes before partial prefills. Returns (budget, preempted?)."""
+    def _schedule_running(self, step: _Step) -> bool:
+        """Grant running requests tokens, decodes before partial prefills. Returns whether it preempted."""
         preempted = False
         # Stable sort: decodes (one token left) first, each group in admission order.
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget == 0:
+            if step.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            num_new_tokens, encoder_plan = self._plan_encoder(
+                request, start, min(request.num_tokens - start, step.budget), step
+            )
             if num_new_tokens == 0:
-                continue  # its last sampled token has not been applied yet
+                continue  # its last sampled token is not applied yet, or the encoder budget is spent
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
-                budget += grants.pop(victim.request_id, 0)
+                step.budget += step.grants.pop(victim.request_id, 0)
                 self._preempt(victim)
+                step.releases.append((victim.request_id, None))
                 preempted = True
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                grants[request.request_id] = num_new_tokens
-                budget -= num_new_tokens
-        return budget, preempted
+                self._grant(step, request, num_new_tokens, encoder_plan)
+        return preempted
 
-    def _schedule_waiting(self, grants: dict[str, int], budget: int) -> int:
+    def _schedule_waiting(self, step: _Step) -> None:
         if not self.policy.admit_while_running and self.running:
-            return budget
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            return
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached
-            if not self.policy.chunked_prefill and num_new_tokens > budget:
+            if not self.policy.chunked_prefill and num_new_tokens > step.budget:
                 break
-            num_new_tokens = min(num_new_tokens, budget)
+            num_new_tokens, encoder_plan = self._plan_encoder(
+                request, num_cached, min(num_new_tokens, step.budget), step
+            )
+            if num_new_tokens == 0:
+                break
             if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
             self.waiting.pop(0)
@@ -212,9 +253,63 @@ class Scheduler:
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
-            grants[request.request_id] = num_new_tokens
-            budget -= num_new_tokens
-        return budget
+            self._grant(step, request, num_new_tokens, encoder_plan)
+
+    def _plan_encoder(
+        self, request: Request, start: int, num_new_tokens: int, step: _Step
+    ) -> tuple[int, list[tuple[MultiModalInput, int, bool]]]:
+        """Decide the encoder work that tokens [start, start + num_new_tokens) need, without changing
+        anything. Returns the (possibly shortened) grant and [(item, group, is_cached)].
+
+        A temporal group not yet in the encoder cache is encoded this step if the encoder budget
+        and the cache have room; otherwise the chunk ends right before that group.
+        """
+        end = start + num_new_tokens
+        plan: list[tuple[MultiModalInput, int, bool]] = []
+        planned: set[tuple[str, int]] = set()
+        budget = step.encoder_budget
+        room = self.encoder_cache.capacity - self.encoder_cache.num_used
+        limited = self.policy.chunked_prefill  # the no-chunk baselines encode whole prompts at once
+        for mm in request.mm_inputs:
+            first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
+            if last <= start or first >= end:
+                continue
+            tokens = mm.tokens_per_group
+            for group in range(
+                (max(start, first) - first) // tokens, (min(end, last) - 1 - first) // tokens + 1
+            ):
+                key = (mm.mm_hash, group)
+                if key in planned or self.encoder_cache.holds(request.request_id, key):
+                    continue
+                cached = self.encoder_cache.is_cached(key)
+                if not cached:
+                    # A group bigger than the whole budget may run alone in an otherwise encoder-free step.
+                    fits = tokens <= budget or budget == self.config.max_num_encoder_tokens
+                    if limited and not (fits and tokens <= room):
+                        return mm.group_range(group)[0] - start, plan
+                    budget -= tokens
+                    room -= tokens
+                plan.append((mm, group, cached))
+                planned.add(key)
+        return num_new_tokens, plan
+
+    def _grant(
+        self,
+        step: _Step,
+        request: Request,
+        num_new_tokens: int,
+        encoder_plan: list[tuple[MultiModalInput, int, bool]],
+    ) -> None:
+        step.grants[request.request_id] = num_new_tokens
+        step.budget -= num_new_tokens
+        for mm, group, cached in encoder_plan:
+            key = (mm.mm_hash, group)
+            if cached:
+                self.encoder_cache.share(request.request_id, key)
+            else:
+                self.encoder_cache.add(request.request_id, key, mm.tokens_per_group)
+                step.encoder_budget -= mm.tokens_per_group
+                step.encoder_work.append(EncoderWork(mm, group))
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the request's KV and send it back to the waiting queue."""
@@ -244,6 +339,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request)
+        self.encoder_cache.release_all(request.request_id)
         request.status = status
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
