@@ -18,13 +18,13 @@ class SchedulerConfig:
     encoder_cache_size: int | None = None  # embedding tokens held at once; None: 4x the encoder budget
 
     def __post_init__(self) -> None:
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_num_encoder_tokens is None:
             object.__setattr__(self, "max_num_encoder_tokens", self.max_num_batched_tokens)
         if self.encoder_cache_size is None:
             object.__setattr__(self, "encoder_cache_size", 4 * self.max_num_encoder_tokens)
         _check_positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         _check_positive("encoder_cache_size", self.encoder_cache_size)
-        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_model_len", self.max_model_len)
         if self.policy not in POLICIES:
