@@ -36,7 +36,13 @@ class EngineCore:
         )
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.runner = ModelRunner(
-            args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size
+            args.model,
+            self.model_config,
+            self.device,
+            self.dtype,
+            num_blocks,
+            args.block_size,
+            self.hf_config,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
 

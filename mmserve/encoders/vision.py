@@ -1,0 +1,79 @@
+"""The vision tower: transformers' own module for the checkpoint's architecture, loaded with the
+checkpoint's weights (either key layout), encoding one or more temporal groups of one item at a time.
+
+Qwen2-VL / Qwen2.5-VL vision attention never crosses a temporal group, so encoding groups
+separately gives exactly the embeddings of encoding the item whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+_PREFIXES = ("model.visual.", "visual.")
+
+
+def _tower_class(model_type: str) -> type[torch.nn.Module]:
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    raise ValueError(f"model_type {model_type!r} has no vision tower mmserve knows")
+
+
+class VisionTower:
+    def __init__(
+        self, hf_config: PretrainedConfig, model_dir: str | Path, device: torch.device, dtype: torch.dtype
+    ):
+        vision_config = hf_config.vision_config
+        vision_config._attn_implementation = "sdpa"  # what transformers picks for the reference model
+        self.model = _tower_class(hf_config.model_type)(vision_config)
+        state = {}
+        for file in sorted(Path(model_dir).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+                    if prefix is not None:
+                        state[key[len(prefix) :]] = f.get_tensor(key)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("inv_freq")]
+        if missing or unexpected:
+            raise ValueError(
+                f"vision tower weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        self.model.to(device=device, dtype=dtype).eval()
+        self.device, self.dtype = device, dtype
+        self.spatial_merge_size: int = vision_config.spatial_merge_size
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        """pixel_values: [t * h * w, patch_dim] patches of `grid_thw` -> [t * h * w / merge**2, hidden]."""
+        grid = torch.tensor([grid_thw], device=self.device)
+        out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid)
+        return out.pooler_output
+
+
+@dataclass(frozen=True, eq=False)
+class EncoderInput:
+    """Preprocessed pixels of one media item, patch rows in (t, h, w) order.
+
+    pixel_values: [t * h * w, patch_dim]; temporal group g owns rows [g * h * w, (g + 1) * h * w).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+    def groups(self, first: int, last: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Patch rows and grid of temporal groups first..last (inclusive)."""
+        _, h, w = self.grid_thw
+        return self.pixel_values[first * h * w : (last + 1) * h * w], (last - first + 1, h, w)
