@@ -60,6 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     tput.add_argument("--seed", type=int, default=0)
     tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
 
+    video = bench_sub.add_parser("long-video", help="step times while a long video joins running decodes")
+    video.add_argument(
+        "--model", type=Path, default=None, help="a Qwen2-VL checkpoint (default: the bench preset)"
+    )
+    video.add_argument("--num-decodes", type=int, default=16)
+    video.add_argument("--num-frames", type=int, default=64)
+    video.add_argument("--frame-size", type=int, default=224)
+    video.add_argument("--max-num-batched-tokens", type=int, default=512)
+    video.add_argument("--max-num-encoder-tokens", type=int, default=128)
+    video.add_argument("--json", type=Path, default=None)
+
     args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
         from mmserve.tiny_model import make_tiny_model
@@ -70,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":
-        return _bench_throughput(args)
+        return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
     return 2
 
 
@@ -79,16 +90,33 @@ def _parse_range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
+def _bench_model(model: Path | None) -> Path:
+    """The given checkpoint, or the bench preset made once into ~/.cache/mmserve."""
+    if model is not None:
+        return model
+    from mmserve.tiny_model import make_tiny_model
+
+    model = Path.home() / ".cache" / "mmserve" / "bench-qwen2_vl"
+    if not (model / "config.json").exists():
+        make_tiny_model(model, arch="qwen2_vl", preset="bench", seed=0)
+    return model
+
+
+def _bench_long_video(args: argparse.Namespace) -> int:
+    from mmserve.bench.long_video import bench_long_video, format_report
+
+    report = bench_long_video(
+        _bench_model(args.model), args.num_decodes, args.num_frames, args.frame_size,
+        args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json,
+    )  # fmt: skip
+    print(format_report(report))
+    return 0
+
+
 def _bench_throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.throughput import bench_throughput, format_report
 
-    model = args.model
-    if model is None:
-        from mmserve.tiny_model import make_tiny_model
-
-        model = Path.home() / ".cache" / "mmserve" / "bench-qwen2_vl"
-        if not (model / "config.json").exists():
-            make_tiny_model(model, arch="qwen2_vl", preset="bench", seed=0)
+    model = _bench_model(args.model)
     report = bench_throughput(
         model,
         args.systems.split(","),

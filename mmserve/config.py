@@ -15,14 +15,17 @@ class SchedulerConfig:
     max_model_len: int = 4096  # prompt + output tokens of one request
     policy: str = "fcfs"
     max_num_encoder_tokens: int | None = None  # embedding tokens encoded per step; None: the token budget
-    encoder_cache_size: int | None = None  # embedding tokens held at once; None: 4x the encoder budget
+    encoder_cache_size: int | None = (
+        None  # embedding tokens held at once; None: 4x the encoder budget, >= 8192
+    )
+    chunk_encoder: bool = True  # encode a video's temporal groups only as the prefill reaches them
 
     def __post_init__(self) -> None:
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_num_encoder_tokens is None:
             object.__setattr__(self, "max_num_encoder_tokens", self.max_num_batched_tokens)
         if self.encoder_cache_size is None:
-            object.__setattr__(self, "encoder_cache_size", 4 * self.max_num_encoder_tokens)
+            object.__setattr__(self, "encoder_cache_size", max(4 * self.max_num_encoder_tokens, 8192))
         _check_positive("max_num_encoder_tokens", self.max_num_encoder_tokens)
         _check_positive("encoder_cache_size", self.encoder_cache_size)
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -65,6 +68,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"
     max_model_len: int | None = None
+    max_num_encoder_tokens: int | None = None  # None: max_num_batched_tokens
+    encoder_cache_size: int | None = None  # None: 4x the encoder budget, at least 8192
+    chunk_encoder: bool = True  # False: encode each media item whole, as vLLM does
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -79,5 +85,12 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         # Fail on bad scheduler / cache values before any weights load.
-        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, policy=self.scheduler_policy)
+        SchedulerConfig(
+            self.max_num_batched_tokens,
+            self.max_num_seqs,
+            policy=self.scheduler_policy,
+            max_num_encoder_tokens=self.max_num_encoder_tokens,
+            encoder_cache_size=self.encoder_cache_size,
+            chunk_encoder=self.chunk_encoder,
+        )
         CacheConfig(self.block_size, self.num_kv_blocks or 1, self.enable_prefix_caching)

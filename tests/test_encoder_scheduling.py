@@ -1,5 +1,6 @@
 """Encoder work inside chunked prefill: the scheduler plans which temporal groups to encode per step
-under an encoder budget, shares cached groups, and frees them once consumed. Torch-free."""
+under an encoder budget, shares cached groups, drops references once consumed, and evicts
+unreferenced entries only when room is needed. Torch-free."""
 
 from __future__ import annotations
 
@@ -38,21 +39,28 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return plan
 
 
+def run(sched: Scheduler) -> list[SchedulerOutput]:
+    plans = []
+    while sched.has_unfinished_requests():
+        plans.append(step(sched))
+        assert len(plans) < 1000, "stalled"
+    return plans
+
+
 def work(plan: SchedulerOutput) -> list[tuple[str, int]]:
     return [(w.mm_input.mm_hash, w.group) for w in plan.encoder_work]
 
 
-def test_image_is_encoded_when_the_chunk_first_overlaps_it_and_freed_once_consumed() -> None:
+def test_image_is_encoded_when_the_chunk_first_overlaps_it_and_released_once_consumed() -> None:
     sched = make_scheduler(budget=5)
     sched.add_request(media_request("a", 20, [("img", 3, 8, 1)]))
     p1 = step(sched)  # tokens 0..4 overlap the image at 3..10
     assert work(p1) == [("img", 0)] and p1.num_encoder_tokens == 8
     p2 = step(sched)  # 5..9: still inside, nothing new to encode
-    assert work(p2) == [] and p2.freed_encoder_keys == ()
+    assert work(p2) == [] and sched.encoder_cache.num_referenced_tokens == 8
     p3 = step(sched)  # 10..14 covers the image's last token: released after this plan
-    assert work(p3) == [] and p3.freed_encoder_keys == ()
-    assert step(sched).freed_encoder_keys == (("img", 0),)
-    assert sched.encoder_cache.num_used == 0
+    assert work(p3) == [] and sched.encoder_cache.num_referenced_tokens == 0
+    assert sched.encoder_cache.is_cached(("img", 0))  # kept until its room is needed
 
 
 def test_video_groups_are_encoded_one_step_at_a_time_under_the_encoder_budget() -> None:
@@ -82,7 +90,11 @@ def test_same_image_in_two_requests_is_encoded_once() -> None:
     p1 = step(sched)
     assert work(p1) == [("same", 0)]
     assert sched.stats().encoder_cache_hits == 8 and sched.stats().num_encoder_tokens_computed == 8
-    assert step(sched).freed_encoder_keys == (("same", 0),)
+    run(sched)
+    assert sched.encoder_cache.num_referenced_tokens == 0
+    # A later request with the same image is served from the cache, not the encoder.
+    sched.add_request(media_request("c", 12, [("same", 5, 8, 1)], first=80))
+    assert work(step(sched)) == [] and sched.stats().encoder_cache_hits == 16
 
 
 def test_group_larger_than_the_encoder_budget_runs_alone() -> None:
@@ -95,13 +107,12 @@ def test_abort_and_preemption_release_encoder_entries() -> None:
     sched = make_scheduler(budget=4)
     sched.add_request(media_request("a", 20, [("img", 2, 12, 1)]))
     step(sched)
-    assert sched.encoder_cache.num_used == 12
+    assert sched.encoder_cache.num_referenced_tokens == 12
     sched.finish_request("a")
-    assert sched.encoder_cache.num_used == 0
-    assert sched.schedule().freed_encoder_keys == (("img", 0),)
+    assert sched.encoder_cache.num_referenced_tokens == 0
 
 
-def test_preempted_request_releases_and_re_encodes_on_resume() -> None:
+def test_preempted_request_releases_and_finds_its_groups_again_on_resume() -> None:
     sched = Scheduler(SchedulerConfig(8, 16, 64, "fcfs"), CacheConfig(4, 5, False))
     sched.add_request(media_request("old", 8, [("o", 0, 4, 1)], max_tokens=8))
     sched.add_request(media_request("new", 10, [("n", 1, 8, 1)], first=30, max_tokens=4))
@@ -109,8 +120,8 @@ def test_preempted_request_releases_and_re_encodes_on_resume() -> None:
     while sched.has_unfinished_requests():
         encoded += work(step(sched))
     assert sched.num_preemptions > 0
-    assert encoded.count(("n", 0)) >= 2  # encoded again after recompute
-    assert sched.encoder_cache.num_used == 0 and sched.kv.num_free_blocks == 5
+    assert encoded.count(("n", 0)) == 1 and sched.stats().encoder_cache_hits >= 8  # a hit on resume
+    assert sched.encoder_cache.num_referenced_tokens == 0 and sched.kv.num_free_blocks == 5
 
 
 def test_no_chunk_policy_encodes_the_whole_prompt_at_once() -> None:
@@ -128,3 +139,36 @@ def test_step_composition_counts() -> None:
     sched.add_request(media_request("b", 5, [], first=20))
     p2 = step(sched)
     assert (p2.num_prefill_tokens, p2.num_decode_tokens, p2.num_encoder_tokens) == (5, 1, 0)
+
+
+def test_without_encoder_chunking_a_video_is_encoded_whole_when_first_reached() -> None:
+    sched = Scheduler(
+        SchedulerConfig(8, 16, 512, "fcfs", max_num_encoder_tokens=6, chunk_encoder=False),
+        CacheConfig(4, 256, True),
+    )
+    sched.add_request(media_request("v", 30, [("vid", 2, 24, 4)]))
+    p = step(sched)
+    assert work(p) == [("vid", g) for g in range(4)]  # over the budget, but alone in its step
+    assert p.scheduled[0].num_scheduled_tokens == 8  # the token budget still chunks the prefill
+    assert all(work(step(sched)) == [] for _ in range(3))
+
+
+def test_group_larger_than_the_encoder_cache_still_runs_when_the_cache_is_empty() -> None:
+    sched = make_scheduler(budget=7, encoder_budget=7, cache=28)
+    sched.add_request(media_request("a", 70, [("huge", 2, 64, 1)]))
+    sched.add_request(media_request("b", 70, [("other", 2, 64, 1)], first=100))
+    plans = run(sched)
+    assert [w for p in plans for w in work(p)] == [("huge", 0), ("other", 0)]
+
+
+def test_unreferenced_entries_are_evicted_oldest_first_when_room_is_needed() -> None:
+    sched = make_scheduler(budget=64, cache=16)
+    sched.add_request(media_request("a", 10, [("first", 1, 8, 1)]))
+    run(sched)
+    sched.add_request(media_request("b", 10, [("second", 1, 8, 1)], first=20))
+    run(sched)
+    assert sched.encoder_cache.is_cached(("first", 0)) and sched.encoder_cache.is_cached(("second", 0))
+    sched.add_request(media_request("c", 10, [("third", 1, 8, 1)], first=40))
+    plan = step(sched)
+    assert plan.freed_encoder_keys == (("first", 0),) and work(plan) == [("third", 0)]
+    assert sched.encoder_cache.num_cached_tokens == 16

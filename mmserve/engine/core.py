@@ -5,6 +5,10 @@ Also resolves `EngineArgs` against the checkpoint: device, dtype, KV pool size, 
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
+
 import torch
 
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
@@ -17,11 +21,23 @@ from mmserve.scheduler.scheduler import Scheduler, SchedulerStats
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_CACHE_MEMORY = 2 << 30  # default KV pool on CPU when neither blocks nor memory are given
 _GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after the weights load
+_STEP_HISTORY = 100_000  # steps whose composition and time are kept for benchmarks and plots
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One executed step: its wall time and what it computed."""
+
+    duration_s: float
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_encoder_tokens: int
 
 
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
+        self.step_history: deque[StepRecord] = deque(maxlen=_STEP_HISTORY)
         self.model_config, self.hf_config = DecoderConfig.from_pretrained(args.model)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _DTYPES[args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
@@ -32,7 +48,13 @@ class EngineCore:
             num_blocks * args.block_size,
         )
         self.scheduler_config = SchedulerConfig(
-            args.max_num_batched_tokens, args.max_num_seqs, max_model_len, args.scheduler_policy
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            max_model_len,
+            args.scheduler_policy,
+            args.max_num_encoder_tokens,
+            args.encoder_cache_size,
+            args.chunk_encoder,
         )
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.runner = ModelRunner(
@@ -60,11 +82,21 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         runner_output = self.runner.execute(plan)
-        return self.scheduler.update(plan, runner_output)
+        outputs = self.scheduler.update(plan, runner_output)
+        self.step_history.append(
+            StepRecord(
+                time.perf_counter() - start,
+                plan.num_decode_tokens,
+                plan.num_prefill_tokens,
+                plan.num_encoder_tokens,
+            )
+        )
+        return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -11,10 +11,12 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from mmserve.config import EngineArgs
+from mmserve.encoders.media import DEFAULT_LIMITS, MediaLimits
 from mmserve.engine.core import EngineCore
+from mmserve.engine.mm_processor import MultiModalProcessor
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, Processor, PromptType
-from mmserve.errors import InvalidRequestError
+from mmserve.errors import EngineDeadError, InvalidRequestError
 from mmserve.request import Request, RequestStatus, SamplingParams
 from mmserve.scheduler.scheduler import SchedulerStats
 
@@ -34,6 +36,10 @@ class LLM:
         enable_prefix_caching: bool = True,
         scheduler_policy: str = "fcfs",
         max_model_len: int | None = None,
+        max_num_encoder_tokens: int | None = None,
+        encoder_cache_size: int | None = None,
+        chunk_encoder: bool = True,
+        media_limits: MediaLimits | None = None,
     ) -> None:
         args = EngineArgs(
             model=str(model),
@@ -47,6 +53,9 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             scheduler_policy=scheduler_policy,
             max_model_len=max_model_len,
+            max_num_encoder_tokens=max_num_encoder_tokens,
+            encoder_cache_size=encoder_cache_size,
+            chunk_encoder=chunk_encoder,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.engine = EngineCore(args)
@@ -55,6 +64,7 @@ class LLM:
             self.engine.model_config.vocab_size,
             self.engine.max_model_len,
             self.engine.model_config.eos_token_ids,
+            self._mm_processor(model, media_limits),
         )
         self._request_counter = itertools.count()
 
@@ -87,8 +97,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; the checkpoint's chat template applies."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.processor.apply_chat_template(c) for c in conversations]
+        prompts = [self.processor.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _mm_processor(self, model: str | Path, limits: MediaLimits | None) -> MultiModalProcessor | None:
+        if getattr(self.engine.hf_config, "vision_config", None) is None:
+            return None
+        return MultiModalProcessor(model, self.engine.hf_config, limits or DEFAULT_LIMITS)
 
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
@@ -104,8 +119,14 @@ class LLM:
                 outputs.add_request(request, text)
             results: list[RequestOutput | None] = [None] * len(requests)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
+                idle_steps = 0
                 while self.engine.has_unfinished_requests():
-                    updated, stopped = outputs.process(self.engine.step())
+                    core_outputs = self.engine.step()
+                    # Two steps in a row with nothing running means nothing ever will: fail, don't hang.
+                    idle_steps = 0 if core_outputs or self.engine.scheduler.running else idle_steps + 1
+                    if idle_steps > 1:
+                        raise EngineDeadError("the scheduler admits nothing while no request runs")
+                    updated, stopped = outputs.process(core_outputs)
                     for request_id in stopped:
                         self.engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
                     for out in updated:

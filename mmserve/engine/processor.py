@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from mmserve.engine.mm_processor import MultiModalProcessor
 from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.request import Request, SamplingParams
 
@@ -25,11 +26,13 @@ class Processor:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        mm_processor: MultiModalProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.mm_processor = mm_processor
 
     def process(
         self, prompt: PromptType, params: SamplingParams, request_id: str
@@ -38,6 +41,14 @@ class Processor:
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
+        expanded = None
+        if isinstance(prompt, Mapping):
+            images, videos = _media_list(prompt, "images"), _media_list(prompt, "videos")
+            if images or videos:
+                if self.mm_processor is None:
+                    raise InvalidRequestError("prompt: this model takes no images or videos", param="prompt")
+                expanded = self.mm_processor.expand(token_ids, images, videos)
+                token_ids = expanded.token_ids
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt: {len(token_ids)} tokens leave no room for output within max_model_len={self.max_model_len}",
@@ -49,7 +60,37 @@ class Processor:
                 f"prompt: token ids {bad[:5]} are outside [0, {self.vocab_size})", param="prompt"
             )
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
+        if expanded is not None:
+            request.mm_inputs = expanded.mm_inputs
+            request.mrope_positions = expanded.mrope_positions
+            request.mrope_delta = expanded.mrope_delta
         return request, text
+
+    def chat_prompt(self, messages: Sequence[Message]) -> dict[str, Any]:
+        """A conversation with OpenAI-style content parts -> {"prompt", "images", "videos"}, media in the
+        order their parts appear (which is the order the template writes their placeholders)."""
+        text = self.apply_chat_template(messages)
+        images: list[object] = []
+        videos: list[object] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str) or content is None:
+                continue
+            if not isinstance(content, Sequence):
+                raise InvalidRequestError(
+                    "messages: content must be a string or a list of parts", param="messages"
+                )
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind in ("image", "image_url"):
+                    images.append(_part_source(part, kind))
+                elif kind in ("video", "video_url"):
+                    videos.append(_part_source(part, kind))
+                elif kind != "text":
+                    raise InvalidRequestError(
+                        f"messages: unknown content part type {kind!r}", param="messages"
+                    )
+        return {"prompt": text, "images": images, "videos": videos}
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         if (
@@ -85,6 +126,25 @@ class Processor:
     def _encode(self, text: str) -> list[int]:
         # Chat-templated text already holds its special tokens; Qwen tokenizers add none anyway.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _media_list(prompt: Mapping[str, Any], key: str) -> list[object]:
+    value = prompt.get(key) or []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{key}: must be a list", param=key)
+    return list(value)
+
+
+def _part_source(part: Mapping[str, Any], kind: str) -> object:
+    """The media of a content part: {"image_url": {"url": ...}}, {"image_url": "..."} or {"image": ...}."""
+    value = part.get(kind)
+    if isinstance(value, Mapping):
+        value = value.get("url")
+    if value is None:
+        raise InvalidRequestError(
+            f"messages: a {kind} part needs its {kind} (a URL, path or data)", param="messages"
+        )
+    return value
 
 
 def _as_token_ids(value: object) -> list[int]:

@@ -1,11 +1,15 @@
 """Encoder cache bookkeeping: which (mm_hash, temporal group) embeddings exist, who still needs
 them, and how much room is left. Torch-free; the tensors live in the model runner.
 
-An entry is referenced by every request whose prompt still has uncomputed tokens in that group,
-and is freed when the last reference goes (the runner drops it at the start of the next step).
+An entry is referenced by every request whose prompt still has uncomputed tokens in that group.
+Unreferenced entries stay cached (least recently used first out) until their room is needed, so
+the same image in a later request is not encoded again; evicted keys go to the runner in the
+plan that evicted them, and it drops them before encoding that plan's work.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 EncoderKey = tuple[str, int]  # (mm_hash, temporal group index)
 
@@ -13,11 +17,13 @@ EncoderKey = tuple[str, int]  # (mm_hash, temporal group index)
 class EncoderCacheManager:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # embedding tokens
-        self.num_used = 0
-        self._size: dict[EncoderKey, int] = {}
-        self._refs: dict[EncoderKey, set[str]] = {}
+        self._size: dict[EncoderKey, int] = {}  # every cached entry
+        self._refs: dict[EncoderKey, set[str]] = {}  # referenced entries only
         self._held: dict[str, set[EncoderKey]] = {}  # request id -> keys it references
-        self._to_free: list[EncoderKey] = []  # released since the last plan
+        self._unreferenced: OrderedDict[EncoderKey, None] = OrderedDict()  # eviction order, oldest first
+        self._evicted: list[EncoderKey] = []  # since the last plan
+        self.num_cached_tokens = 0  # referenced or not
+        self.num_referenced_tokens = 0
         self.num_hit_tokens = 0  # embeddings served from the cache instead of the encoder
         self.num_computed_tokens = 0  # embeddings the encoder was asked to compute
 
@@ -31,13 +37,18 @@ class EncoderCacheManager:
     def holds(self, request_id: str, key: EncoderKey) -> bool:
         return key in self._held.get(request_id, ())
 
-    def has_room(self, num_tokens: int) -> bool:
-        return self.num_used + num_tokens <= self.capacity
+    def room(self) -> int:
+        """Tokens a new entry may take: everything not referenced can be evicted for it."""
+        return self.capacity - self.num_referenced_tokens
 
     def add(self, request_id: str, key: EncoderKey, num_tokens: int) -> None:
-        """Reserve room for a new entry the runner will compute this step."""
+        """Make room (evicting unreferenced entries) for a new entry the runner computes this step."""
+        while self.num_cached_tokens + num_tokens > self.capacity and self._unreferenced:
+            old, _ = self._unreferenced.popitem(last=False)
+            self.num_cached_tokens -= self._size.pop(old)
+            self._evicted.append(old)
         self._size[key] = num_tokens
-        self.num_used += num_tokens
+        self.num_cached_tokens += num_tokens
         self.num_computed_tokens += num_tokens
         self._ref(request_id, key)
 
@@ -57,17 +68,21 @@ class EncoderCacheManager:
         refs.discard(request_id)
         if not refs:
             del self._refs[key]
-            self.num_used -= self._size.pop(key)
-            self._to_free.append(key)
+            self.num_referenced_tokens -= self._size[key]
+            self._unreferenced[key] = None
 
     def release_all(self, request_id: str) -> None:
         for key in list(self._held.get(request_id, ())):
             self.release(request_id, key)
 
-    def take_freed(self) -> list[EncoderKey]:
-        freed, self._to_free = self._to_free, []
-        return freed
+    def take_evicted(self) -> list[EncoderKey]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _ref(self, request_id: str, key: EncoderKey) -> None:
-        self._refs.setdefault(key, set()).add(request_id)
+        refs = self._refs.setdefault(key, set())
+        if not refs:
+            self._unreferenced.pop(key, None)
+            self.num_referenced_tokens += self._size[key]
+        refs.add(request_id)
         self._held.setdefault(request_id, set()).add(key)

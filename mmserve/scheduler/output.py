@@ -39,7 +39,7 @@ class ScheduledRequest:
 @dataclass(frozen=True)
 class EncoderWork:
     """Encode one temporal group of one media item this step; the runner caches the result
-    under (mm_input.mm_hash, group) until a later plan lists that key in `freed_encoder_keys`."""
+    under (mm_input.mm_hash, group) until a plan lists that key in `freed_encoder_keys`."""
 
     mm_input: MultiModalInput
     group: int
@@ -52,7 +52,7 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     num_scheduled_tokens: int
     encoder_work: tuple[EncoderWork, ...] = ()
-    freed_encoder_keys: tuple[tuple[str, int], ...] = ()  # drop these before running encoder_work
+    freed_encoder_keys: tuple[tuple[str, int], ...] = ()  # evicted: drop before running encoder_work
     # Requests that ended since the last plan, so the runner can drop any state it keeps for them.
     finished_request_ids: frozenset[str] = frozenset()
     preempted_request_ids: frozenset[str] = frozenset()

@@ -125,7 +125,6 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_tokens)
-        freed_encoder_keys = self.encoder_cache.take_freed()  # the runner drops these before encoding
         if self.policy.prefill_first:
             self._schedule_waiting(step)
         if not step.grants:
@@ -170,7 +169,7 @@ class Scheduler:
             scheduled=tuple(scheduled),
             num_scheduled_tokens=sum(step.grants.values()),
             encoder_work=tuple(step.encoder_work),
-            freed_encoder_keys=tuple(freed_encoder_keys),
+            freed_encoder_keys=tuple(self.encoder_cache.take_evicted()),  # dropped before encoding
             finished_request_ids=frozenset(self._finished_ids),
             preempted_request_ids=frozenset(self._preempted_ids),
         )
@@ -262,30 +261,39 @@ class Scheduler:
         anything. Returns the (possibly shortened) grant and [(item, group, is_cached)].
 
         A temporal group not yet in the encoder cache is encoded this step if the encoder budget
-        and the cache have room; otherwise the chunk ends right before that group.
+        and the cache have room; otherwise the chunk ends right before that group. Without encoder
+        chunking, an item's groups are all encoded in the step its placeholder is first reached.
         """
         end = start + num_new_tokens
         plan: list[tuple[MultiModalInput, int, bool]] = []
         planned: set[tuple[str, int]] = set()
         budget = step.encoder_budget
-        room = self.encoder_cache.capacity - self.encoder_cache.num_used
+        room = self.encoder_cache.room()
         limited = self.policy.chunked_prefill  # the no-chunk baselines encode whole prompts at once
         for mm in request.mm_inputs:
             first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
             if last <= start or first >= end:
                 continue
             tokens = mm.tokens_per_group
-            for group in range(
-                (max(start, first) - first) // tokens, (min(end, last) - 1 - first) // tokens + 1
-            ):
+            item_budget = budget
+            first_group = (max(start, first) - first) // tokens  # earlier groups are in the KV cache
+            last_group = (
+                (min(end, last) - 1 - first) // tokens if self.config.chunk_encoder else mm.num_groups - 1
+            )
+            groups = range(first_group, last_group + 1)
+            for group in groups:
                 key = (mm.mm_hash, group)
                 if key in planned or self.encoder_cache.holds(request.request_id, key):
                     continue
                 cached = self.encoder_cache.is_cached(key)
                 if not cached:
-                    # A group bigger than the whole budget may run alone in an otherwise encoder-free step.
-                    fits = tokens <= budget or budget == self.config.max_num_encoder_tokens
-                    if limited and not (fits and tokens <= room):
+                    # Work bigger than the whole budget (a group, or an item without encoder chunking)
+                    # may run alone in an otherwise encoder-free step.
+                    alone = item_budget if not self.config.chunk_encoder else budget
+                    fits = tokens <= budget or alone == self.config.max_num_encoder_tokens
+                    # Likewise the cache: an empty cache takes anything, so no group waits forever.
+                    has_room = tokens <= room or room == self.encoder_cache.capacity
+                    if limited and not (fits and has_room):
                         return mm.group_range(group)[0] - start, plan
                     budget -= tokens
                     room -= tokens
