@@ -71,7 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     video.add_argument("--max-num-encoder-tokens", type=int, default=128)
     video.add_argument("--json", type=Path, default=None)
 
-    args = parser.parse_args(argv)
+    bench_sub.add_parser(
+        "kernels",
+        help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
+        add_help=False,
+    )
+
+    args, rest = parser.parse_known_args(argv)
+    if rest and not (args.command == "bench" and args.bench_command == "kernels"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "make-tiny-model":
         from mmserve.tiny_model import make_tiny_model
 
@@ -81,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":
+        if args.bench_command == "kernels":
+            from mmserve.bench.kernels import main as bench_kernels
+
+            return bench_kernels(rest)
         return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
     return 2
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in Triton's interpreter; it must be chosen before anything (e.g.
+# transformers) first imports triton. `import torch` alone does not.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2")
 

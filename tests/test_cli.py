@@ -25,7 +25,20 @@ def test_generate_prints_one_json_object_per_prompt(
     tiny_model_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = tiny_model_dir("qwen2_vl")
-    code = main(["generate", "--model", str(model), "--prompt", "hi", "--prompt", "there", "--max-tokens", "5", "--json"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            "hi",
+            "--prompt",
+            "there",
+            "--max-tokens",
+            "5",
+            "--json",
+        ]
+    )
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == ["hi", "there"]
@@ -34,9 +47,24 @@ def test_generate_prints_one_json_object_per_prompt(
 
 def test_bench_throughput_quick_run(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    argv = ["bench", "throughput", "--model", str(tiny_model_dir("qwen2_vl")), "--systems", ",".join(SYSTEMS),
-            "--num-prompts", "6", "--input-len", "4-40", "--output-len", "2-12", "--hf-batch-size", "4",
-            "--json", str(out)]
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        str(tiny_model_dir("qwen2_vl")),
+        "--systems",
+        ",".join(SYSTEMS),
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "4-40",
+        "--output-len",
+        "2-12",
+        "--hf-batch-size",
+        "4",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert set(report["systems"]) == set(SYSTEMS)
@@ -44,4 +72,6 @@ def test_bench_throughput_quick_run(tiny_model_dir: Callable[[str], Path], tmp_p
     for result in report["systems"].values():
         assert result["output_tokens_per_s"] > 0 and result["efficiency"] > 0
     # Every mmserve policy computes the same greedy tokens as the first system (plain mmserve).
-    assert all(report["outputs_differing_from_first_system"][s] == 0 for s in SYSTEMS if s.startswith("mmserve"))
+    assert all(
+        report["outputs_differing_from_first_system"][s] == 0 for s in SYSTEMS if s.startswith("mmserve")
+    )

@@ -172,3 +172,52 @@ def test_unreferenced_entries_are_evicted_oldest_first_when_room_is_needed() -> 
     plan = step(sched)
     assert plan.freed_encoder_keys == (("first", 0),) and work(plan) == [("third", 0)]
     assert sched.encoder_cache.num_cached_tokens == 16
+
+
+def test_a_new_entry_never_evicts_a_cached_one_the_same_request_shares() -> None:
+    sched = make_scheduler(budget=64, encoder_budget=64, cache=12)
+    sched.add_request(media_request("first", 12, [("Y", 2, 8, 1)]))
+    run(sched)
+    # X (new) comes before Y (cached, unreferenced) in the prompt; adding X must not evict Y.
+    sched.add_request(media_request("second", 30, [("X", 0, 8, 1), ("Y", 10, 8, 1)], first=100))
+    plans = run(sched)
+    assert [w for p in plans for w in work(p)] == [("X", 0)] or ("Y", 0) in [
+        w for p in plans for w in work(p)
+    ]
+    assert sched.encoder_cache.num_referenced_tokens == 0
+
+
+def test_prefix_hit_inside_an_uncached_group_waits_instead_of_going_backwards() -> None:
+    sched = Scheduler(
+        SchedulerConfig(64, 16, 512, "fcfs", max_num_encoder_tokens=12, encoder_cache_size=12),
+        CacheConfig(4, 64, True),
+    )
+    sched.add_request(media_request("a", 16, [("img", 2, 12, 1)]))
+    run(sched)
+    sched.add_request(media_request("c", 20, [("other", 0, 12, 1)], first=100))  # evicts img
+    sched.add_request(media_request("b", 16, [("img", 2, 12, 1)]))  # prefix hit up to token 8, inside img
+    plans = run(sched)
+    for plan in plans:
+        assert all(s.num_scheduled_tokens > 0 for s in plan.scheduled)
+    assert ("img", 0) in [w for p in plans for w in work(p)]
+
+
+def test_same_item_twice_in_a_prompt_keeps_its_reference_until_the_second_copy_is_planned() -> None:
+    sched = make_scheduler(budget=13)
+    sched.add_request(media_request("a", 24, [("img", 0, 8, 1), ("img", 10, 8, 1)]))
+    step(sched)  # tokens 0..12: the first copy is done, the second is not
+    assert sched.encoder_cache.holds("a", ("img", 0))
+    run(sched)
+    assert sched.encoder_cache.num_referenced_tokens == 0
+
+
+def test_without_encoder_chunking_a_grant_never_exceeds_the_token_budget() -> None:
+    sched = Scheduler(
+        SchedulerConfig(
+            16, 16, 512, "fcfs", max_num_encoder_tokens=16, encoder_cache_size=64, chunk_encoder=False
+        ),
+        CacheConfig(4, 256, True),
+    )
+    sched.add_request(media_request("v", 170, [("vid", 2, 160, 10)]))
+    for plan in run(sched):
+        assert plan.num_scheduled_tokens <= 16

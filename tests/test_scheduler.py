@@ -298,3 +298,50 @@ def test_block_hashes_distinguish_media() -> None:
 def test_statuses_are_final_once_finished() -> None:
     assert RequestStatus.FINISHED_ABORTED.finished and not RequestStatus.PREEMPTED.finished
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+
+
+def test_victim_granted_in_the_same_step_leaves_no_published_hash_for_unwritten_kv() -> None:
+    """A partial prefill granted tokens, then preempted in the same step, must not leave block
+    hashes for KV that was never written (a later prefix hit would read garbage)."""
+    from mmserve.request import MultiModalInput, PlaceholderRange
+
+    sched = Scheduler(
+        SchedulerConfig(32, 16, 512, "priority", max_num_encoder_tokens=16, encoder_cache_size=64),
+        CacheConfig(4, 17, True),
+    )
+    written: dict[tuple[int, int], tuple[str, int]] = {}
+
+    def run_step() -> SchedulerOutput:
+        plan = sched.schedule()
+        for s in plan.scheduled:  # what a runner would write
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
+                written[(s.block_ids[pos // 4], pos % 4)] = (s.request_id, pos)
+        sched.update(plan, fake_run(plan))
+        return plan
+
+    # A video prefill that the encoder budget slows to a few tokens a step, so H arrives meanwhile.
+    video = [MultiModalInput("vid", PlaceholderRange(0, 64), "video", 4)]
+    sched.add_request(
+        Request("A", list(range(64)), SamplingParams(max_tokens=4, priority=1), mm_inputs=video)
+    )
+    run_step()
+    sched.add_request(make_request("H", 30, max_tokens=2, first=1000, priority=0))
+    while sched.has_unfinished_requests():
+        plan = run_step()
+        for s in plan.scheduled:
+            if s.request_id == "A":  # every prefix-hit position holds A's own K/V
+                assert all(
+                    written.get((s.block_ids[p // 4], p % 4)) == ("A", p)
+                    for p in range(s.num_computed_tokens)
+                )
+    assert sched.num_preemptions > 0
+
+
+def test_no_chunk_policy_readmits_a_preempted_request_longer_than_the_budget() -> None:
+    sched = make_scheduler(
+        budget=14, num_blocks=8, block_size=4, policy="no_chunk", max_model_len=32, prefix_caching=False
+    )
+    sched.add_request(make_request("a", 14, max_tokens=12))
+    sched.add_request(make_request("b", 12, max_tokens=12, first=100))
+    plans = run_to_completion(sched)
+    assert sched.num_preemptions > 0 and all(p.num_scheduled_tokens <= 14 for p in plans)

@@ -17,7 +17,9 @@ VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")
 
 
 @pytest.fixture(scope="module", params=VL_ARCHS)
-def reference(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, torch.nn.Module]:
+def reference(
+    request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]
+) -> tuple[Path, torch.nn.Module]:
     from transformers import AutoModelForImageTextToText
 
     model_dir = tiny_model_dir(request.param)

@@ -84,9 +84,14 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        if plan.is_empty and not plan.encoder_work and not plan.freed_encoder_keys:
             return []
-        runner_output = self.runner.execute(plan)
+        try:
+            runner_output = self.runner.execute(plan)
+        except BaseException:
+            self.scheduler.forget_cached_state()
+            self.runner.encoder_cache.clear()
+            raise
         outputs = self.scheduler.update(plan, runner_output)
         self.step_history.append(
             StepRecord(

@@ -42,6 +42,9 @@ class MultiModalProcessor:
         # Qwen2.5-VL spaces video groups in time: tokens_per_second * seconds per group; Qwen2-VL by 1.
         self.tokens_per_second: float | None = getattr(vision, "tokens_per_second", None)
 
+    def has_placeholders(self, token_ids: Sequence[int]) -> bool:
+        return self.image_token_id in token_ids or self.video_token_id in token_ids
+
     def expand(
         self, token_ids: Sequence[int], images: Sequence[object], videos: Sequence[object]
     ) -> ExpandedPrompt:

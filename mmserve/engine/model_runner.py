@@ -57,6 +57,8 @@ class ModelRunner:
         for key in plan.freed_encoder_keys:
             self.encoder_cache.pop(key, None)
         self._run_encoder(plan.encoder_work)
+        if plan.is_empty:  # only encoder work (its requests were preempted after planning it)
+            return ModelRunnerOutput((), (), ())
         batch = self._prepare(plan)
         hidden = self.model(batch, self.kv_caches, self._embeddings(plan, batch))  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32

@@ -42,13 +42,19 @@ class Processor:
         if not token_ids:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
         expanded = None
-        if isinstance(prompt, Mapping):
-            images, videos = _media_list(prompt, "images"), _media_list(prompt, "videos")
-            if images or videos:
-                if self.mm_processor is None:
-                    raise InvalidRequestError("prompt: this model takes no images or videos", param="prompt")
-                expanded = self.mm_processor.expand(token_ids, images, videos)
-                token_ids = expanded.token_ids
+        images, videos = (
+            (_media_list(prompt, "images"), _media_list(prompt, "videos"))
+            if isinstance(prompt, Mapping)
+            else ([], [])
+        )
+        if (images or videos) and self.mm_processor is None:
+            raise InvalidRequestError("prompt: this model takes no images or videos", param="prompt")
+        # Placeholders without media are refused too (expand checks that the counts match).
+        if self.mm_processor is not None and (
+            images or videos or self.mm_processor.has_placeholders(token_ids)
+        ):
+            expanded = self.mm_processor.expand(token_ids, images, videos)
+            token_ids = expanded.token_ids
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt: {len(token_ids)} tokens leave no room for output within max_model_len={self.max_model_len}",

@@ -34,6 +34,16 @@ class EncoderCacheManager:
     def is_cached(self, key: EncoderKey) -> bool:
         return key in self._size
 
+    def is_referenced(self, key: EncoderKey) -> bool:
+        return key in self._refs
+
+    def reset(self) -> None:
+        """Forget every entry and reference (after a failed step, whose work may not have run)."""
+        for container in (self._size, self._refs, self._held, self._unreferenced):
+            container.clear()
+        self._evicted.clear()
+        self.num_cached_tokens = self.num_referenced_tokens = 0
+
     def holds(self, request_id: str, key: EncoderKey) -> bool:
         return key in self._held.get(request_id, ())
 

@@ -119,6 +119,15 @@ class KVCacheManager:
         """Release a request's blocks. Tail blocks are freed first, so they are evicted first."""
         blocks = self._req_blocks.pop(request.request_id, [])
         self._req_num_hashed.pop(request.request_id, None)
+        # Blocks past num_computed_tokens were published for a grant that never ran (a victim
+        # preempted in the step that granted it): their content is not what the hash says.
+        num_written = request.num_computed_tokens // self.block_size
+        for index in range(num_written, len(blocks)):
+            block_id, block_hash = blocks[index], self._block_hash[blocks[index]]
+            if block_hash is not None and self._ref_cnt[block_id] == 1:
+                if self._cached.get(block_hash) == block_id:
+                    del self._cached[block_hash]
+                self._block_hash[block_id] = None
         for block_id in reversed(blocks):
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:

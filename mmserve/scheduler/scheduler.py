@@ -105,6 +105,12 @@ class Scheduler:
         self._finish(request, status)
         return True
 
+    def forget_cached_state(self) -> None:
+        """After a step failed on the device, no block hash or encoder entry can be trusted: the
+        step's KV and encoder outputs may not have been written. The caller aborts its requests."""
+        self.kv.reset_prefix_cache()
+        self.encoder_cache.reset()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -154,11 +160,20 @@ class Scheduler:
             )
             # Advanced now, so that a chunked prefill's next chunk can be planned next step.
             request.num_computed_tokens = end
-            # Groups whose every token is now planned are no longer needed by this request.
-            for mm in request.mm_inputs:
-                for group in range(mm.num_groups):
-                    if mm.group_range(group)[1] <= end:
-                        step.releases.append((request_id, (mm.mm_hash, group)))
+            # Groups whose every token is now planned are no longer needed by this request (unless the
+            # same item appears again later in the prompt).
+            if request.mm_inputs:
+                still_needed = {
+                    (mm.mm_hash, g)
+                    for mm in request.mm_inputs
+                    for g in range(mm.num_groups)
+                    if mm.group_range(g)[1] > end
+                }
+                for mm in request.mm_inputs:
+                    for group in range(mm.num_groups):
+                        key = (mm.mm_hash, group)
+                        if mm.group_range(group)[1] <= end and key not in still_needed:
+                            step.releases.append((request_id, key))
         # Released only now, so that requests later in this plan could still share the entries.
         for request_id, key in step.releases:
             if key is None:
@@ -215,7 +230,7 @@ class Scheduler:
             num_new_tokens, encoder_plan = self._plan_encoder(
                 request, start, min(request.num_tokens - start, step.budget), step
             )
-            if num_new_tokens == 0:
+            if num_new_tokens <= 0:
                 continue  # its last sampled token is not applied yet, or the encoder budget is spent
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
@@ -236,12 +251,18 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached
-            if not self.policy.chunked_prefill and num_new_tokens > step.budget:
+            # Whole prefills only; but a preempted request's prompt + outputs may outgrow the budget,
+            # so its recompute is chunked rather than never admitted again.
+            if (
+                not self.policy.chunked_prefill
+                and num_new_tokens > step.budget
+                and not request.num_preemptions
+            ):
                 break
             num_new_tokens, encoder_plan = self._plan_encoder(
                 request, num_cached, min(num_new_tokens, step.budget), step
             )
-            if num_new_tokens == 0:
+            if num_new_tokens <= 0:
                 break
             if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
@@ -286,6 +307,8 @@ class Scheduler:
                 if key in planned or self.encoder_cache.holds(request.request_id, key):
                     continue
                 cached = self.encoder_cache.is_cached(key)
+                if cached and not self.encoder_cache.is_referenced(key):
+                    room -= tokens  # once shared it can no longer be evicted to make room
                 if not cached:
                     # Work bigger than the whole budget (a group, or an item without encoder chunking)
                     # may run alone in an otherwise encoder-free step.
@@ -294,7 +317,8 @@ class Scheduler:
                     # Likewise the cache: an empty cache takes anything, so no group waits forever.
                     has_room = tokens <= room or room == self.encoder_cache.capacity
                     if limited and not (fits and has_room):
-                        return mm.group_range(group)[0] - start, plan
+                        # End before this group; 0 if the chunk starts inside it (e.g. a prefix hit).
+                        return min(num_new_tokens, max(0, mm.group_range(group)[0] - start)), plan
                     budget -= tokens
                     room -= tokens
                 plan.append((mm, group, cached))
@@ -310,7 +334,8 @@ class Scheduler:
     ) -> None:
         step.grants[request.request_id] = num_new_tokens
         step.budget -= num_new_tokens
-        for mm, group, cached in encoder_plan:
+        # Shares first: a new entry may evict unreferenced ones, never one this request is about to use.
+        for mm, group, cached in sorted(encoder_plan, key=lambda e: not e[2]):
             key = (mm.mm_hash, group)
             if cached:
                 self.encoder_cache.share(request.request_id, key)
