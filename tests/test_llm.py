@@ -180,3 +180,10 @@ def test_invalid_engine_settings_fail_before_loading(model_dir: Path) -> None:
         LLM(model_dir, max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="dtype"):
         LLM(model_dir, dtype="float8")
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="never downloads"):
+        LLM(tmp_path / "nowhere")
+    with pytest.raises(InvalidRequestError, match="not a checkpoint directory"):
+        LLM("Qwen/Qwen2-VL-2B-Instruct")

@@ -57,6 +57,12 @@ class LLM:
             encoder_cache_size=encoder_cache_size,
             chunk_encoder=chunk_encoder,
         )
+        if not (Path(model) / "config.json").is_file():
+            raise InvalidRequestError(
+                f"model: {model} is not a checkpoint directory (no config.json); mmserve loads local "
+                "directories only and never downloads (make one with `mmserve make-tiny-model DIR`)",
+                param="model",
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.engine = EngineCore(args)
         self.processor = Processor(
