@@ -8,14 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from mmserve.config import EngineArgs
-from mmserve.encoders.media import DEFAULT_LIMITS, MediaLimits
-from mmserve.engine.core import EngineCore
-from mmserve.engine.mm_processor import MultiModalProcessor
+from mmserve.encoders.media import MediaLimits
+from mmserve.engine.loader import load_engine
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
-from mmserve.engine.processor import Message, Processor, PromptType
+from mmserve.engine.processor import Message, PromptType
 from mmserve.errors import EngineDeadError, InvalidRequestError
 from mmserve.request import Request, RequestStatus, SamplingParams
 from mmserve.scheduler.scheduler import SchedulerStats
@@ -57,21 +55,8 @@ class LLM:
             encoder_cache_size=encoder_cache_size,
             chunk_encoder=chunk_encoder,
         )
-        if not (Path(model) / "config.json").is_file():
-            raise InvalidRequestError(
-                f"model: {model} is not a checkpoint directory (no config.json); mmserve loads local "
-                "directories only and never downloads (make one with `mmserve make-tiny-model DIR`)",
-                param="model",
-            )
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
-        self.engine = EngineCore(args)
-        self.processor = Processor(
-            self.tokenizer,
-            self.engine.model_config.vocab_size,
-            self.engine.max_model_len,
-            self.engine.model_config.eos_token_ids,
-            self._mm_processor(model, media_limits),
-        )
+        loaded = load_engine(args, media_limits)
+        self.tokenizer, self.engine, self.processor = loaded.tokenizer, loaded.core, loaded.processor
         self._request_counter = itertools.count()
 
     def generate(
@@ -105,11 +90,6 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.processor.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def _mm_processor(self, model: str | Path, limits: MediaLimits | None) -> MultiModalProcessor | None:
-        if getattr(self.engine.hf_config, "vision_config", None) is None:
-            return None
-        return MultiModalProcessor(model, self.engine.hf_config, limits or DEFAULT_LIMITS)
 
     def stats(self) -> SchedulerStats:
         return self.engine.stats()

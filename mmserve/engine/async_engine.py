@@ -1,0 +1,275 @@
+"""`AsyncEngine`: the engine loop on a background thread, one async output stream per request.
+
+Only messages cross into the loop (add, abort, shutdown: all picklable); outputs come back through
+the event loop with `call_soon_threadsafe`. Prompt processing (templating, media decoding) runs in
+a worker thread of the caller, so a slow image never stalls the step loop or the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mmserve.config import EngineArgs
+from mmserve.encoders.media import MediaLimits
+from mmserve.engine.core import StepRecord
+from mmserve.engine.loader import load_engine
+from mmserve.engine.output_processor import OutputProcessor, RequestOutput
+from mmserve.engine.processor import Message, PromptType
+from mmserve.errors import EngineDeadError, MMServeError
+from mmserve.request import Request, RequestStatus, SamplingParams
+from mmserve.scheduler.scheduler import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(MMServeError):
+    """Too many requests are waiting; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StatLogger(Protocol):
+    """Receives what the engine loop observes (e.g. the Prometheus exporter). Called on the loop thread."""
+
+    def on_output(self, output: RequestOutput, now: float) -> None: ...
+
+    def on_step(self, stats: SchedulerStats, step: StepRecord | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+    prompt: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+_STREAM_END = object()  # sentinel after a stream's final output
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        media_limits: MediaLimits | None = None,
+        max_waiting_requests: int = 1024,
+        stat_loggers: Sequence[StatLogger] = (),
+    ) -> None:
+        loaded = load_engine(args, media_limits)
+        self.args = args
+        self.tokenizer, self.processor, self._core = loaded.tokenizer, loaded.processor, loaded.core
+        self.max_model_len = loaded.core.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_loggers = list(stat_loggers)
+        self._inbox: queue.Queue[_Add | _Abort | _Shutdown] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_pending
+        self._num_pending = 0  # accepted but not yet seen by the loop
+        self._ids = itertools.count()
+        self._stats = loaded.core.stats()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="mmserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.args.model
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters as of the last step (read without stopping the loop)."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs: each carries the new text/tokens and the totals so far;
+        the last has `finish_reason` set. Closing the iterator early aborts the request."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
+        request, text = await loop.run_in_executor(None, self.processor.process, prompt, params, request_id)
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise MMServeError(f"request id {request_id!r} is already in use")
+            self._check_accepting()
+            self._streams[request_id] = (loop, stream)
+            self._num_pending += 1
+        self._inbox.put(_Add(request, text))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _STREAM_END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:  # the consumer went away (disconnect, cancel): free the request
+                self._inbox.put(_Abort(request_id))
+
+    async def chat(
+        self, messages: Sequence[Message], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        prompt = self.processor.chat_prompt(messages)
+        async for output in self.generate(prompt, params, request_id):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to `timeout` s, abort the rest."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+            await asyncio.sleep(0.02)
+        self._inbox.put(_Shutdown())
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # -- internals -----------------------------------------------------------------------------------
+    _closing = False
+
+    def _check_accepting(self) -> None:
+        if self._dead is not None or self._closing:
+            raise EngineDeadError("the engine is not accepting requests")
+        waiting = self._stats.num_waiting + self._num_pending
+        if waiting >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"{waiting} requests are already waiting (max_waiting_requests)", retry_after=1.0
+            )
+
+    def _emit(self, request_id: str, item: Any, last: bool) -> None:
+        with self._lock:
+            entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, stream = entry
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+            if last and not isinstance(item, BaseException):
+                loop.call_soon_threadsafe(stream.put_nowait, _STREAM_END)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    def _run_loop(self) -> None:
+        core = self._core
+        outputs = OutputProcessor(self.tokenizer)
+        try:
+            while True:
+                # Block for messages only when idle; otherwise take what has arrived and step.
+                block = not core.has_unfinished_requests()
+                while True:
+                    try:
+                        message = self._inbox.get(block=block, timeout=0.1 if block else None)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if isinstance(message, _Shutdown):
+                        self._abort_all(core, outputs, EngineDeadError("the engine shut down"))
+                        return
+                    self._handle(message, core, outputs)
+                if not core.has_unfinished_requests():
+                    continue
+                try:
+                    core_outputs = core.step()
+                except Exception as exc:  # a failed step fails the requests in it, not the engine
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._abort_all(core, outputs, MMServeError("the request failed inside the engine"), exc)
+                    continue
+                now = time.monotonic()
+                updated, stopped = outputs.process(core_outputs)
+                for request_id in stopped:
+                    core.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
+                for out in updated:
+                    for stat_logger in self.stat_loggers:
+                        stat_logger.on_output(out, now)
+                    self._emit(out.request_id, _snapshot(out), out.finished)
+                self._stats = core.stats()
+                record = core.step_history[-1] if core.step_history else None
+                for stat_logger in self.stat_loggers:
+                    stat_logger.on_step(self._stats, record)
+        except BaseException as exc:  # the loop itself broke: fail everyone, refuse new work
+            logger.exception("engine loop died")
+            self._dead = exc
+            self._abort_all(core, outputs, EngineDeadError("the engine loop died"))
+
+    def _handle(self, message: _Add | _Abort, core: Any, outputs: OutputProcessor) -> None:
+        if isinstance(message, _Add):
+            with self._lock:
+                self._num_pending -= 1
+                wanted = message.request.request_id in self._streams
+            if not wanted:
+                return  # aborted before the loop saw it
+            try:
+                core.add_request(message.request)
+            except MMServeError as exc:
+                self._emit(message.request.request_id, exc, last=True)
+                return
+            outputs.add_request(message.request, message.prompt)
+        else:
+            core.abort_request(message.request_id)
+            final = outputs.abort_request(message.request_id)
+            if final is not None:
+                now = time.monotonic()
+                for stat_logger in self.stat_loggers:
+                    stat_logger.on_output(final, now)
+                self._emit(message.request_id, _snapshot(final), last=True)
+            self._stats = core.stats()
+
+    def _abort_all(
+        self, core: Any, outputs: OutputProcessor, error: BaseException, cause: BaseException | None = None
+    ) -> None:
+        if cause is not None:
+            error.__cause__ = cause
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            core.abort_request(request_id)
+            outputs.abort_request(request_id)
+            self._emit(request_id, error, last=True)
+        self._stats = core.stats()
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the consumer may keep while the loop goes on updating the original."""
+    return RequestOutput(
+        request_id=out.request_id,
+        prompt=out.prompt,
+        prompt_token_ids=out.prompt_token_ids,
+        token_ids=list(out.token_ids),
+        text=out.text,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        logprobs=list(out.logprobs) if out.logprobs is not None else None,
+        metrics=out.metrics,
+        new_text=out.new_text,
+        new_token_ids=list(out.new_token_ids),
+    )
