@@ -91,7 +91,7 @@ def test_bad_request_fails_alone(engine: AsyncEngine) -> None:
         good = asyncio.create_task(collect(engine, "fine"))
         with pytest.raises(InvalidRequestError):
             await collect(engine, {"prompt": "<|vision_start|><|image_pad|><|vision_end|>", "images": [b"junk"]})
-        text, outputs = await good
+        _, outputs = await good
         assert outputs[-1].finish_reason == "length"
 
     asyncio.run(main())
