@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= assets/models/tiny-qwen2-vl
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: install serve test lint
 
@@ -12,9 +14,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Until the HTTP server lands, this runs a short offline generation on the default model.
+# Serves the OpenAI-compatible API and WebSocket chat on http://$(HOST):$(PORT) (Ctrl-C stops it).
 serve: install
-	$(PY) -m mmserve generate --model $(MODEL)
+	$(PY) -m mmserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 lint: install
 	$(PY) -m ruff check .

@@ -1,10 +1,11 @@
-"""The `mmserve` command line: `make-tiny-model` and `generate` (an offline demo) for now;
-`serve`, `bench` and `chat` join as they are built."""
+"""The `mmserve` command line: `serve` (the HTTP / WebSocket server), `make-tiny-model`, `generate`
+(an offline demo) and `bench`; `chat` joins as it is built."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ DEFAULT_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_serve_parser(sub)
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
     tiny.add_argument("out_dir", type=Path)
@@ -88,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "bench":
         if args.bench_command == "kernels":
             from mmserve.bench.kernels import main as bench_kernels
@@ -145,17 +150,110 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from mmserve import LLM, SamplingParams
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and WebSocket chat")
+    serve.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, generated if missing)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("MMSERVE_API_KEY"),
+        help="required as a Bearer token (env MMSERVE_API_KEY)",
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("MMSERVE_DATA_DIR") or Path.home() / ".cache" / "mmserve" / "data"),
+        help="where uploads are stored (env MMSERVE_DATA_DIR; default ~/.cache/mmserve/data)",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model id clients see (default: --model)"
+    )
+    serve.add_argument(
+        "--allowed-local-media-path", type=Path, default=None, help="chat may read files under DIR"
+    )
+    serve.add_argument(
+        "--allowed-media-domains",
+        default="",
+        help="comma-separated hosts ('*.example.com' too) chat may fetch media URLs from (default: none)",
+    )
+    serve.add_argument("--max-image-upload-bytes", type=int, default=20 * 1000 * 1000)
+    serve.add_argument("--max-video-upload-bytes", type=int, default=200 * 1000 * 1000)
+    serve.add_argument(
+        "--max-waiting-requests", type=int, default=1024, help="beyond this, 429 with Retry-After"
+    )
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default=None)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--max-num-seqs", type=int, default=128)
+    serve.add_argument("--num-kv-blocks", type=int, default=None)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument(
+        "--scheduler-policy", default="fcfs", choices=["fcfs", "priority", "no_chunk", "static"]
+    )
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
 
-    if not args.model.exists() and args.model == DEFAULT_MODEL_DIR:
+
+def _serve(args: argparse.Namespace) -> int:
+    from mmserve.api.server import run_server
+    from mmserve.api.settings import ServerSettings
+    from mmserve.config import EngineArgs
+
+    _ensure_default_model(args.model)
+    engine_args = EngineArgs(
+        str(args.model),
+        device=args.device,
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        scheduler_policy=args.scheduler_policy,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    settings = ServerSettings(
+        api_key=args.api_key or None,
+        data_dir=args.data_dir,
+        served_model_name=args.served_model_name,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(d.strip() for d in args.allowed_media_domains.split(",") if d.strip()),
+        max_image_upload_bytes=args.max_image_upload_bytes,
+        max_video_upload_bytes=args.max_video_upload_bytes,
+    )
+    run_server(
+        engine_args,
+        settings,
+        host=args.host,
+        port=args.port,
+        max_waiting_requests=args.max_waiting_requests,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def _ensure_default_model(model: Path) -> None:
+    if not model.exists() and model == DEFAULT_MODEL_DIR:
         from mmserve.tiny_model import make_tiny_model
 
         print(
-            f"no model at {args.model}: generating the tiny random default (its answers are noise)",
+            f"no model at {model}: generating the tiny random default (its answers are noise)",
             file=sys.stderr,
         )
-        make_tiny_model(args.model)
+        make_tiny_model(model)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mmserve import LLM, SamplingParams
+
+    _ensure_default_model(args.model)
     prompts = args.prompt or [
         "Describe a red circle on a white background.",
         "What is the capital of France?",

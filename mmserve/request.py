@@ -163,6 +163,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit length at first scheduling
+    first_scheduled_time: float | None = None  # time.monotonic() when first granted tokens
     num_preemptions: int = 0
     # Chain hashes of the full blocks of all_token_ids, filled by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)

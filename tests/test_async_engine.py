@@ -76,7 +76,9 @@ def test_closing_a_stream_early_aborts_the_request(engine: AsyncEngine) -> None:
 def test_abort_by_id_ends_the_stream_with_abort(engine: AsyncEngine) -> None:
     async def main() -> str | None:
         last = None
-        async for out in engine.generate("abort me", SamplingParams(max_tokens=500, ignore_eos=True), "abort-1"):
+        async for out in engine.generate(
+            "abort me", SamplingParams(max_tokens=500, ignore_eos=True), "abort-1"
+        ):
             if len(out.token_ids) == 2:
                 engine.abort("abort-1")
             last = out
@@ -90,7 +92,9 @@ def test_bad_request_fails_alone(engine: AsyncEngine) -> None:
     async def main() -> None:
         good = asyncio.create_task(collect(engine, "fine"))
         with pytest.raises(InvalidRequestError):
-            await collect(engine, {"prompt": "<|vision_start|><|image_pad|><|vision_end|>", "images": [b"junk"]})
+            await collect(
+                engine, {"prompt": "<|vision_start|><|image_pad|><|vision_end|>", "images": [b"junk"]}
+            )
         _, outputs = await good
         assert outputs[-1].finish_reason == "length"
 

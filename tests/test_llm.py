@@ -138,7 +138,7 @@ def test_every_policy_gives_the_same_greedy_output(llm: LLM, model_dir: Path, po
 def test_metrics_are_ordered(llm: LLM) -> None:
     (out,) = llm.generate("timing", GREEDY)
     m = out.metrics
-    assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finish_time
+    assert m.arrival_time <= m.scheduled_time <= m.first_token_time <= m.last_token_time <= m.finish_time
     assert m.time_to_first_token >= 0
 
 

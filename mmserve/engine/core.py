@@ -29,6 +29,7 @@ class StepRecord:
     """One executed step: its wall time and what it computed."""
 
     duration_s: float
+    encoder_duration_s: float  # of duration_s, spent in the vision encoder
     num_decode_tokens: int
     num_prefill_tokens: int
     num_encoder_tokens: int
@@ -96,6 +97,7 @@ class EngineCore:
         self.step_history.append(
             StepRecord(
                 time.perf_counter() - start,
+                self.runner.last_encoder_duration_s,
                 plan.num_decode_tokens,
                 plan.num_prefill_tokens,
                 plan.num_encoder_tokens,

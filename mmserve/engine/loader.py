@@ -36,6 +36,10 @@ def load_engine(args: EngineArgs, media_limits: MediaLimits | None = None) -> Lo
     if getattr(core.hf_config, "vision_config", None) is not None:
         mm_processor = MultiModalProcessor(args.model, core.hf_config, media_limits or DEFAULT_LIMITS)
     processor = Processor(
-        tokenizer, core.model_config.vocab_size, core.max_model_len, core.model_config.eos_token_ids, mm_processor
+        tokenizer,
+        core.model_config.vocab_size,
+        core.max_model_len,
+        core.model_config.eos_token_ids,
+        mm_processor,
     )
     return LoadedEngine(tokenizer, core, processor)

@@ -3,6 +3,7 @@ over all scheduled tokens (prefill chunks and decodes together), samples, and sy
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
+        self.last_encoder_duration_s = 0.0  # of the last execute()
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
         self.vision = VisionTower(hf_config, model_dir, device, dtype) if has_vision else None
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}  # (mm_hash, group) -> [tokens, hidden]
@@ -56,7 +58,11 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for key in plan.freed_encoder_keys:
             self.encoder_cache.pop(key, None)
+        start = time.perf_counter()
         self._run_encoder(plan.encoder_work)
+        if plan.encoder_work and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # time the encoder itself (profiling only when it ran)
+        self.last_encoder_duration_s = time.perf_counter() - start if plan.encoder_work else 0.0
         if plan.is_empty:  # only encoder work (its requests were preempted after planning it)
             return ModelRunnerOutput((), (), ())
         batch = self._prepare(plan)

@@ -18,6 +18,7 @@ class RequestMetrics:
     """Times from `time.monotonic()`."""
 
     arrival_time: float
+    scheduled_time: float | None = None  # first granted tokens: arrival -> here is queue time
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
@@ -93,6 +94,7 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 metrics.num_cached_tokens = core_out.num_cached_tokens
+                metrics.scheduled_time = core_out.first_scheduled_time
             metrics.last_token_time = now
             out.token_ids.extend(core_out.new_token_ids)
             if out.logprobs is not None and core_out.new_logprobs is not None:

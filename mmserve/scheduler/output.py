@@ -97,6 +97,7 @@ class EngineCoreOutput:
     new_logprobs: tuple[dict[int, float], ...] | None
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when the request first got tokens
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
@@ -212,6 +213,7 @@ class Scheduler:
                     new_logprobs=(logprobs,) if logprobs is not None else None,
                     finish_reason=status.finish_reason if status is not None else None,
                     num_cached_tokens=request.num_cached_tokens or 0,
+                    first_scheduled_time=request.first_scheduled_time,
                 )
             )
         return outputs
@@ -272,6 +274,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.monotonic()
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._grant(step, request, num_new_tokens, encoder_plan)
 

@@ -1,0 +1,120 @@
+"""`create_app(engine, settings)`: the FastAPI app — shared state, auth, body caps, /health, /v1/models,
+/metrics, and the routers of chat completions, WebSocket chat and files."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Scope
+
+from mmserve.api.body_limit import BodySizeLimit
+from mmserve.api.errors import APIError, install_error_handlers
+from mmserve.api.media_refs import MediaResolver
+from mmserve.api.media_store import MediaStore
+from mmserve.api.metrics import MetricsExporter
+from mmserve.api.protocol import ModelCard, ModelList
+from mmserve.api.settings import MiB, ServerSettings
+from mmserve.encoders.media import DEFAULT_LIMITS
+from mmserve.engine.async_engine import AsyncEngine
+
+
+@dataclass(eq=False)
+class ServerState:
+    """What every route needs; lives on `app.state.mm`."""
+
+    engine: AsyncEngine
+    settings: ServerSettings
+    model_name: str
+    store: MediaStore
+    resolver: MediaResolver
+    metrics: MetricsExporter
+    started: int  # unix time
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.mm
+
+
+State = Annotated[ServerState, Depends(get_state)]  # route parameter type
+
+
+def check_api_key(settings: ServerSettings, authorization: str | None, query_key: str | None = None) -> bool:
+    if settings.api_key is None:
+        return True
+    given = query_key
+    if authorization and authorization[:7].lower() == "bearer ":
+        given = authorization[7:].strip()
+    return given is not None and hmac.compare_digest(given.encode(), settings.api_key.encode())
+
+
+async def require_api_key(request: Request) -> None:
+    if not check_api_key(get_state(request).settings, request.headers.get("authorization")):
+        raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")  # fmt: skip
+
+
+def create_app(
+    engine: AsyncEngine, settings: ServerSettings | None = None, *, own_engine: bool = False
+) -> FastAPI:
+    """`own_engine`: shut the engine down (draining for `shutdown_timeout_s`) when the app stops."""
+    from mmserve.api import chat_ws, files, openai_routes  # routers import get_state from here
+
+    settings = settings or ServerSettings()
+    model_name = settings.served_model_name or engine.model_name
+    mm = engine.processor.mm_processor
+    store = MediaStore(
+        settings.data_dir, mm.limits if mm is not None else DEFAULT_LIMITS,
+        settings.max_image_upload_bytes, settings.max_video_upload_bytes,
+    )  # fmt: skip
+    metrics = MetricsExporter(engine.stats, model_name)
+    engine.stat_loggers.append(metrics)
+    state = ServerState(engine, settings, model_name, store, MediaResolver(store, settings), metrics,
+                        int(time.time()))  # fmt: skip
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if metrics in engine.stat_loggers:
+            engine.stat_loggers.remove(metrics)
+        if own_engine:
+            await engine.shutdown(settings.shutdown_timeout_s)
+
+    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
+    app.state.mm = state
+    install_error_handlers(app)
+
+    def body_limit(scope: Scope) -> int:
+        if scope.get("path") == "/v1/files":
+            return (
+                settings.max_upload_bytes + MiB
+            )  # multipart framing; each kind's cap is checked in the store
+        return settings.max_body_bytes
+
+    app.add_middleware(BodySizeLimit, limit_for=body_limit)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return APIError(503, "the engine is not running", code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, created=state.started, max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])
+    app.include_router(files.router, dependencies=[Depends(require_api_key)])
+    app.include_router(chat_ws.router)  # checks the key itself (header or ?api_key=)
+    return app

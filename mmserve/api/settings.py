@@ -1,0 +1,33 @@
+"""`ServerSettings`: the server's own knobs (auth, storage, size caps, media sources), validated once.
+
+Engine knobs live in `EngineArgs`; these never reach the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MiB = 2**20
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_key: str | None = None  # None: no auth. /health and /metrics are always open.
+    data_dir: Path = Path("mmserve-data")  # uploads: blobs/<sha256>, files/<id>.json
+    served_model_name: str | None = None  # the model id clients send and see; None: the engine's path
+    max_body_bytes: int = Field(default=64 * MiB, gt=0)  # any non-upload request body (data URLs inline)
+    max_image_upload_bytes: int = Field(default=20 * 1000 * 1000, gt=0)
+    max_video_upload_bytes: int = Field(default=200 * 1000 * 1000, gt=0)
+    max_ws_message_bytes: int = Field(default=64 * MiB, gt=0)
+    allowed_local_media_path: Path | None = None  # chat may read local files under this directory only
+    allowed_media_domains: tuple[str, ...] = ()  # hosts chat may fetch media from ("*.example.com" too)
+    remote_media_timeout_s: float = Field(default=10.0, gt=0)  # per URL, all redirects included
+    allow_private_media_addresses: bool = False  # let allow-listed hosts resolve to private IPs (tests, LANs)
+    shutdown_timeout_s: float = Field(default=10.0, ge=0)
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return max(self.max_image_upload_bytes, self.max_video_upload_bytes)
