@@ -1,4 +1,4 @@
-"""The `mmserve` command line: `serve` (the HTTP / WebSocket server), `make-tiny-model`, `generate`
+"""The `mmserve` command line: `serve` (the HTTP / WebSocket server), `chat`, `make-tiny-model`, `generate`
 (an offline demo) and `bench`; `chat` joins as it is built."""
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     _add_serve_parser(sub)
+    chat = sub.add_parser("chat", help="chat in the terminal with a running server (over its WebSocket)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    chat.add_argument("--api-key", default=None, help="API key (default: $MMSERVE_API_KEY)")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
     tiny.add_argument("out_dir", type=Path)
@@ -93,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "chat":
+        from mmserve.chat_cli import run_chat
+
+        return run_chat(args)
     if args.command == "bench":
         if args.bench_command == "kernels":
             from mmserve.bench.kernels import main as bench_kernels

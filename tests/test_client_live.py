@@ -193,3 +193,23 @@ async def test_cancel_right_after_send_still_ends_the_response(live_url: str) ->
         await a.cancel()
         assert (await a.wait(20)).status == "cancelled"
         assert (await b.wait(120)).status != "failed"
+
+
+def test_terminal_chat_streams_replies_and_attaches_media(live_url: str) -> None:
+    """`mmserve chat` driven with scripted input against the live server."""
+    import argparse
+    import io
+
+    from mmserve.chat_cli import run_chat
+
+    lines = iter([
+        "/help", "/image " + str(ASSETS / "sample.jpg"), "/video " + str(ASSETS / "sample_clip.mp4"),
+        "What do you see?", "/image /no/such/file.png", "And now?", "/quit",
+    ])  # fmt: skip
+    out = io.StringIO()
+    args = argparse.Namespace(url=live_url, api_key=KEY, max_tokens=6, temperature=0.0)
+    assert run_chat(args, read=lambda prompt: next(lines), out=out) == 0
+    text = out.getvalue()
+    assert "attached image" in text and "attached video" in text
+    assert text.count("assistant> ") == 2 and text.count("[length]") == 2
+    assert "could not attach" in text
