@@ -10,13 +10,18 @@ from typing import TYPE_CHECKING, Any
 from mmserve.request import SamplingParams
 
 if TYPE_CHECKING:
+    from mmserve.engine.async_engine import AsyncEngine
     from mmserve.engine.llm import LLM
     from mmserve.engine.output_processor import RequestOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "mmserve.engine.llm", "RequestOutput": "mmserve.engine.output_processor"}
+_LAZY = {
+    "LLM": "mmserve.engine.llm",
+    "AsyncEngine": "mmserve.engine.async_engine",
+    "RequestOutput": "mmserve.engine.output_processor",
+}
 
 
 def __getattr__(name: str) -> Any:
