@@ -64,7 +64,7 @@ def create_app(
     engine: AsyncEngine, settings: ServerSettings | None = None, *, own_engine: bool = False
 ) -> FastAPI:
     """`own_engine`: shut the engine down (draining for `shutdown_timeout_s`) when the app stops."""
-    from mmserve.api import chat_ws, files, openai_routes  # routers import get_state from here
+    from mmserve.api import chat_ws, files, openai_routes, page  # routers import get_state from here
 
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or engine.model_name
@@ -117,4 +117,5 @@ def create_app(
     app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])
     app.include_router(files.router, dependencies=[Depends(require_api_key)])
     app.include_router(chat_ws.router)  # checks the key itself (header or ?api_key=)
+    app.include_router(page.router)  # the web chat page at / (public; it calls the API with the user's key)
     return app
