@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from mmserve.bench import SYSTEMS
+from mmserve.bench import SYSTEMS, WORKLOADS
 
 DEFAULT_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")
 
@@ -67,6 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     tput.add_argument("--hf-batch-size", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
     tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+    tput.add_argument("--workload", default="random", choices=list(WORKLOADS))
+    tput.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
+    tput.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
+    tput.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
+    tput.add_argument("--quick", action="store_true", help="16 short requests: a smoke run")
+    tput.add_argument(
+        "--plot", type=Path, default=None, help="write throughput bar PNGs here (needs matplotlib)"
+    )
 
     video = bench_sub.add_parser("long-video", help="step times while a long video joins running decodes")
     video.add_argument(
@@ -78,6 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     video.add_argument("--max-num-batched-tokens", type=int, default=512)
     video.add_argument("--max-num-encoder-tokens", type=int, default=128)
     video.add_argument("--json", type=Path, default=None)
+    video.add_argument(
+        "--quick", action="store_true", help="4 decodes, a 16-frame 112x112 video, budgets 64/32: a smoke run"
+    )
+    video.add_argument(
+        "--plot", type=Path, default=None, help="write the step timeline PNG here (needs matplotlib)"
+    )
+
+    _add_bench_serve_parser(bench_sub)
 
     bench_sub.add_parser(
         "kernels",
@@ -107,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mmserve.bench.kernels import main as bench_kernels
 
             return bench_kernels(rest)
+        if args.bench_command == "serve":
+            return _bench_serve(args)
         return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
     return 2
 
@@ -131,11 +149,19 @@ def _bench_model(model: Path | None) -> Path:
 def _bench_long_video(args: argparse.Namespace) -> int:
     from mmserve.bench.long_video import bench_long_video, format_report
 
+    if args.quick:
+        args.num_decodes, args.num_frames, args.frame_size = 4, 16, 112
+        args.max_num_batched_tokens, args.max_num_encoder_tokens = 64, 32
     report = bench_long_video(
         _bench_model(args.model), args.num_decodes, args.num_frames, args.frame_size,
         args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json,
     )  # fmt: skip
     print(format_report(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_long_video
+
+        for path in plot_long_video(report, args.plot):
+            print(f"wrote {path}")
     return 0
 
 
@@ -143,19 +169,137 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.throughput import bench_throughput, format_report
 
     model = _bench_model(args.model)
-    report = bench_throughput(
-        model,
-        args.systems.split(","),
+    num_prompts, input_len, output_len = (
         args.num_prompts,
         _parse_range(args.input_len),
         _parse_range(args.output_len),
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-        args.hf_batch_size,
-        args.seed,
-        args.json,
+    )
+    prefix_len = args.prefix_len
+    if args.quick:
+        num_prompts, input_len, output_len, prefix_len = 16, (8, 32), (4, 32), min(prefix_len, 128)
+    try:
+        report = bench_throughput(
+            model,
+            args.systems.split(","),
+            num_prompts,
+            input_len,
+            output_len,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.hf_batch_size,
+            args.seed,
+            args.json,
+            workload_name=args.workload,
+            num_images=args.num_images,
+            image_size=args.image_size,
+            prefix_len=prefix_len,
+            progress=True,
+        )
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_throughput
+
+        for path in plot_throughput(report, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "serve", help="online serving benchmark over the WebSocket chat and/or the OpenAI SSE route"
+    )
+    p.add_argument("--url", default=None, help="a running server; default: start one in-process on --model")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint for the in-process server and the prompt tokenizer (default: the bench preset)",
+    )
+    p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
+    p.add_argument("--transport", default="ws", help="ws, http or ws,http (the same requests over each)")
+    p.add_argument("--workload", default="random", choices=["random", "random-mm", "prefix"])
+    p.add_argument(
+        "--media-source",
+        default="data-url",
+        choices=["data-url", "upload"],
+        help="random-mm: how images travel",
+    )
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens (approximate)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens (approximate)")
+    p.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens (ignore_eos)")
+    p.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
+    p.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)"
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: at most N in flight")
+    p.add_argument(
+        "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="in-process server only")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="in-process server only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+    p.add_argument("--plot", type=Path, default=None, help="write latency CDF PNGs here (needs matplotlib)")
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from mmserve.bench.metrics import parse_goodput
+    from mmserve.bench.serve import QUICK, TRANSPORTS, bench_serve, format_report
+
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or set(transports) - set(TRANSPORTS):
+        print(f"--transport: choose from {', '.join(TRANSPORTS)}", file=sys.stderr)
+        return 2
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    num_prompts, input_len, output_len = (
+        args.num_prompts,
+        _parse_range(args.input_len),
+        _parse_range(args.output_len),
+    )
+    if args.quick:
+        num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
+    model = args.model if args.url else _bench_model(args.model)
+    report = bench_serve(
+        model=model,
+        url=args.url,
+        transports=transports,
+        workload=args.workload,
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        num_images=args.num_images,
+        image_size=args.image_size,
+        prefix_len=min(args.prefix_len, 128) if args.quick else args.prefix_len,
+        media_source=args.media_source,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        goodput_slos=slos or None,
+        api_key=args.api_key,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        json_path=args.json,
+        progress=not args.no_progress,
     )
     print(format_report(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_serve
+
+        for path in plot_serve(report, args.plot):
+            print(f"wrote {path}")
     return 0
 
 

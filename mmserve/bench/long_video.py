@@ -65,6 +65,17 @@ def run_once(
         "max_over_median": max(times) / statistics.median(times),
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
         "decode_tokens_per_step_min": min(s.num_decode_tokens for s in steps),
+        # Step composition while the video prefills, for the timeline plot.
+        "timeline": [
+            {
+                "duration_s": s.duration_s,
+                "encoder_duration_s": s.encoder_duration_s,
+                "decode_tokens": s.num_decode_tokens,
+                "prefill_tokens": s.num_prefill_tokens,
+                "encoder_tokens": s.num_encoder_tokens,
+            }
+            for s in steps
+        ],
     }
 
 

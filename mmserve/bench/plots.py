@@ -1,0 +1,121 @@
+"""PNG plots of bench reports (the JSON dicts of throughput.py / serve.py): throughput bars with ratios
+and latency CDFs. matplotlib is optional and imported only here, lazily."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit(
+            "--plot needs matplotlib: pip install matplotlib (or pip install 'mmserve[bench]')"
+        ) from None
+    return plt
+
+
+def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
+    """Output tokens/s per system, each bar labelled with its ratio to hf-static (or to the first
+    system) and its efficiency against the roofline bound, which is drawn as a line."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    systems = list(report["systems"].values())
+    names = [r["system"] for r in systems]
+    rates = [r["output_tokens_per_s"] for r in systems]
+    base_name = "hf-static" if "hf-static" in report["systems"] else names[0]
+    base = report["systems"][base_name]["output_tokens_per_s"]
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 3.6))
+    bars = ax.bar(names, rates, color="#4c72b0")
+    for bar, r in zip(bars, systems, strict=True):
+        ax.annotate(
+            f"{r['output_tokens_per_s'] / base:.2f}x\n{r['efficiency']:.0%} of bound",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center", va="bottom", fontsize=8,
+        )  # fmt: skip
+    ax.axhline(report["output_tokens_per_s_bound"], color="#c44e52", ls="--", lw=1, label="roofline bound")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(
+        f"throughput, {report['config'].get('workload', 'random')} (ratios vs {base_name})", fontsize=9
+    )
+    ax.margins(y=0.25)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    path = out_dir / f"throughput-{report['config'].get('workload', 'random')}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def plot_serve(report: dict, out_dir: Path) -> list[Path]:
+    """Empirical CDFs of TTFT, TPOT, ITL and e2e latency, one line per transport."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+    for ax, (key, title) in zip(
+        axes,
+        (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itls_s", "ITL"), ("e2el_s", "e2e latency")),
+        strict=True,
+    ):
+        for transport, rows in report["requests"].items():
+            values: list[float] = []
+            for row in rows:
+                if not row["success"]:
+                    continue
+                v = row[key]
+                values.extend(v if isinstance(v, list) else [] if v is None else [v])
+            if not values:
+                continue
+            x = np.sort(np.asarray(values) * 1e3)
+            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=transport)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("ms")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / f"serve-latency-cdf-{report['config']['workload']}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
+def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
+    """Step composition while the long video prefills, encoder chunking on and off: decode / prefill /
+    encoder tokens per step (bars) and each step's time (line, right axis)."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = report["runs"]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        steps = run["timeline"]
+        x = np.arange(len(steps))
+        bottom = np.zeros(len(steps))
+        for key, color in (
+            ("decode_tokens", "#55a868"),
+            ("prefill_tokens", "#4c72b0"),
+            ("encoder_tokens", "#dd8452"),
+        ):
+            values = np.array([s[key] for s in steps], dtype=float)
+            ax.bar(x, values, bottom=bottom, color=color, label=key.replace("_", " "))
+            bottom += values
+        ax.set_ylabel("tokens")
+        ax.set_title(f"encoder chunking {'on' if run['chunk_encoder'] else 'off'}", fontsize=9)
+        twin = ax.twinx()
+        twin.plot(x, [s["duration_s"] * 1e3 for s in steps], color="black", marker=".", lw=1, label="step ms")
+        twin.set_ylabel("step time (ms)")
+        twin.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    path = out_dir / "long-video-steps.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]

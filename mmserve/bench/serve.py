@@ -1,0 +1,488 @@
+"""`mmserve bench serve`: online serving benchmark over the WebSocket chat or the OpenAI SSE route,
+against a URL or an in-process server, with `vllm bench serve`'s arrivals and metrics. Knows the wire
+formats of docs/api.md, never the engine's internals."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import json
+import math
+import random
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmserve.bench.metrics import RequestTiming, compute_metrics
+
+WORKLOADS = ("random", "random-mm", "prefix")
+MEDIA_SOURCES = ("data-url", "upload")
+TRANSPORTS = ("ws", "http")
+# --quick: small enough to finish in well under a minute on the tiny model on 2 CPU cores.
+QUICK = {"num_prompts": 8, "input_len": (8, 32), "output_len": (4, 16)}
+
+_WORDS = (
+    "the a red blue green circle square image video frame token cache block decode prefill model "
+    "server request stream latency batch of in on with and to is what why how describe count"
+).split()
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    messages: list[dict]
+    output_len: int
+
+
+def _random_text(rng: random.Random, n: int, tokenizer: Any | None) -> str:
+    """About `n` prompt tokens: decoded random ids when a tokenizer is at hand, else random words."""
+    if tokenizer is None:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+    ids = [rng.randrange(100, max(101, len(tokenizer) - 300)) for _ in range(n)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _png_data_url(rng: np.random.Generator, size: int) -> str:
+    from PIL import Image
+
+    pixels = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def build_requests(
+    workload: str,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+    tokenizer: Any | None = None,
+    num_images: int = 1,
+    image_size: int = 64,
+    prefix_len: int = 512,
+) -> list[BenchRequest]:
+    """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` random
+    images of `image_size`^2 pixels sent as PNG data URLs (distinct per request: no cache hits);
+    `prefix`: every prompt starts with the same text of about `prefix_len` tokens."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    prefix = _random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
+    out = []
+    for _ in range(num_prompts):
+        text = prefix + _random_text(rng, rng.randint(*input_len), tokenizer)
+        content: str | list[dict] = text
+        if workload == "random-mm":
+            content = [
+                {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
+                for _ in range(num_images)
+            ] + [{"type": "text", "text": text}]
+        out.append(BenchRequest([{"role": "user", "content": content}], rng.randint(*output_len)))
+    return out
+
+
+def _body(req: BenchRequest) -> dict:
+    return {"messages": req.messages, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True}
+
+
+# -- transports ------------------------------------------------------------------------------------
+
+
+async def send_http(client: Any, base_url: str, req: BenchRequest, headers: dict) -> RequestTiming:
+    """One streamed `POST /v1/chat/completions`; each non-empty content delta's arrival is recorded."""
+    body = {"model": "bench", **_body(req), "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    chunks: list[float] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter()
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"].get("message", "stream error"))
+                if any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                    chunks.append(now)
+                if event.get("usage"):
+                    usage = event["usage"]
+        end = time.perf_counter()
+    except Exception as exc:  # a failed request is a figure, not a crash
+        return RequestTiming(
+            start, tuple(chunks), time.perf_counter(), 0, 0, False, f"{type(exc).__name__}: {exc}"
+        )
+    return RequestTiming(
+        start, tuple(chunks), end, usage.get("prompt_tokens", 0), usage.get("completion_tokens", len(chunks))
+    )
+
+
+class WSPool:
+    """A few WebSocket chat sockets shared by all requests; a reader per socket routes each event to
+    its response's queue with its arrival time."""
+
+    def __init__(self, url: str, size: int, api_key: str | None) -> None:
+        ws_url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/v1/chat/ws"
+        self.url = ws_url
+        self.size = size
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.sockets: list[Any] = []
+        self.readers: list[asyncio.Task] = []
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._next = itertools.cycle(range(size))
+
+    async def __aenter__(self) -> WSPool:
+        from websockets.asyncio.client import connect
+
+        for _ in range(self.size):
+            ws = await connect(self.url, additional_headers=self.headers, max_size=None, open_timeout=30)
+            self.sockets.append(ws)
+            self.readers.append(asyncio.create_task(self._read(ws)))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for ws in self.sockets:
+            await ws.close()
+        for task in self.readers:
+            task.cancel()
+        await asyncio.gather(*self.readers, return_exceptions=True)
+
+    async def _read(self, ws: Any) -> None:
+        try:
+            async for message in ws:
+                now = time.perf_counter()
+                event = json.loads(message)
+                rid = event.get("response_id") or (event.get("response") or {}).get("id")
+                queue = self.queues.get(rid) if rid else None
+                if queue is not None:
+                    queue.put_nowait((now, event))
+        except Exception as exc:  # socket gone: fail whatever is still waiting on it
+            for queue in self.queues.values():
+                queue.put_nowait((time.perf_counter(), {"type": "error", "error": {"message": str(exc)}}))
+
+    async def send(self, req: BenchRequest) -> RequestTiming:
+        rid = f"b{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[rid] = queue
+        ws = self.sockets[next(self._next)]
+        start = time.perf_counter()
+        chunks: list[float] = []
+        try:
+            await ws.send(json.dumps({"type": "response.create", "response": {"id": rid, **_body(req)}}))
+            while True:
+                now, event = await queue.get()
+                kind = event.get("type")
+                if kind == "response.output_text.delta" and event.get("delta"):
+                    chunks.append(now)
+                elif kind == "error":
+                    raise RuntimeError(event["error"].get("message", "error event"))
+                elif kind == "response.done":
+                    response = event["response"]
+                    if response.get("status") == "failed":
+                        raise RuntimeError(f"response failed: {response.get('error')}")
+                    usage = response.get("usage") or {}
+                    return RequestTiming(
+                        start,
+                        tuple(chunks),
+                        now,
+                        usage.get("prompt_tokens", 0),
+                        usage.get("completion_tokens", len(chunks)),
+                    )
+        except Exception as exc:
+            return RequestTiming(
+                start, tuple(chunks), time.perf_counter(), 0, 0, False, f"{type(exc).__name__}: {exc}"
+            )
+        finally:
+            self.queues.pop(rid, None)
+
+
+async def upload_media(
+    client: Any, base_url: str, requests: list[BenchRequest], headers: dict
+) -> list[BenchRequest]:
+    """`--media-source upload`: upload each data-URL image once (before timing) and refer to it by id."""
+    out = []
+    for req in requests:
+        messages = []
+        for message in req.messages:
+            content = message["content"]
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    url = part.get("image_url", {}).get("url", "")
+                    if url.startswith("data:"):
+                        data = base64.b64decode(url.split(",", 1)[1])
+                        r = await client.post(
+                            f"{base_url}/v1/files",
+                            files={"file": ("bench.png", data, "image/png")},
+                            data={"purpose": "vision"},
+                            headers=headers,
+                        )
+                        if r.status_code != 200:
+                            raise RuntimeError(f"upload failed: HTTP {r.status_code}: {r.text[:200]}")
+                        part = {"type": "image_url", "image_url": {"url": r.json()["id"]}}
+                    parts.append(part)
+                content = parts
+            messages.append({**message, "content": content})
+        out.append(BenchRequest(messages, req.output_len))
+    return out
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+async def arrivals(n: int, request_rate: float, burstiness: float, seed: int) -> AsyncIterator[int]:
+    """Indices 0..n-1 at gamma-distributed gaps (mean 1/rate; burstiness 1 is Poisson), as vLLM does;
+    all at once when the rate is infinite."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        yield i
+        if math.isinf(request_rate) or i == n - 1:
+            continue
+        theta = 1.0 / (request_rate * burstiness)
+        await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
+
+
+async def run_requests(
+    url: str,
+    requests: list[BenchRequest],
+    transport: str,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    num_sockets: int | None = None,
+    media_source: str = "data-url",
+) -> tuple[list[RequestTiming], float]:
+    """Send every request (one warm-up first, not counted); returns the timings and the duration."""
+    import httpx
+    from tqdm import tqdm
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose from {TRANSPORTS}")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = max_concurrency or len(requests)
+    sem = asyncio.Semaphore(limit)
+    bar = tqdm(total=len(requests), desc=f"bench serve ({transport})", disable=not progress)
+    client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=limit + 4))
+    pool = WSPool(url, num_sockets or min(limit, 64), api_key) if transport == "ws" else None
+    try:
+        if media_source == "upload":
+            requests = await upload_media(client, url, requests, headers)
+        if pool is not None:
+            await pool.__aenter__()
+            send: Callable[[BenchRequest], Any] = pool.send
+        else:
+
+            async def send(req: BenchRequest) -> RequestTiming:
+                return await send_http(client, url, req, headers)
+
+        # Warm-up on a text of its own: no prefix- or encoder-cache hits for the measured requests.
+        warm = await send(BenchRequest([{"role": "user", "content": "Warm up."}], 2))
+        if not warm.success:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+
+        async def one(req: BenchRequest) -> RequestTiming:
+            async with sem:
+                timing = await send(req)
+            bar.update(1)
+            return timing
+
+        tasks = []
+        start = time.perf_counter()
+        async for i in arrivals(len(requests), request_rate, burstiness, seed):
+            tasks.append(asyncio.create_task(one(requests[i])))
+        timings = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    finally:
+        bar.close()
+        if pool is not None:
+            await pool.__aexit__(None, None, None)
+        await client.aclose()
+    return list(timings), duration
+
+
+class InProcessServer:
+    """`create_app` over a real `AsyncEngine`, served by uvicorn in a daemon thread on a free port."""
+
+    def __init__(self, model: Path, **engine_kwargs: Any) -> None:
+        import uvicorn
+
+        from mmserve.api.app import create_app
+        from mmserve.api.settings import ServerSettings
+        from mmserve.config import EngineArgs
+        from mmserve.engine.async_engine import AsyncEngine
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
+        self.engine = AsyncEngine(EngineArgs(str(model), **engine_kwargs), max_waiting_requests=1 << 20)
+        settings = ServerSettings(data_dir=Path(self._tmp.name), served_model_name="bench")
+        config = uvicorn.Config(
+            create_app(self.engine, settings),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            ws_max_size=settings.max_ws_message_bytes + 1024,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("in-process server did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        asyncio.run(self.engine.shutdown(1.0))
+        self._tmp.cleanup()
+
+
+def _load_tokenizer(model: Path | None) -> Any | None:
+    if model is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def bench_serve(
+    *,
+    model: Path | None,
+    url: str | None = None,
+    transports: list[str] | tuple[str, ...] = ("ws",),
+    workload: str = "random",
+    num_prompts: int = 64,
+    input_len: tuple[int, int] = (16, 128),
+    output_len: tuple[int, int] = (16, 256),
+    num_images: int = 1,
+    image_size: int = 64,
+    prefix_len: int = 512,
+    media_source: str = "data-url",
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    goodput_slos: dict[str, float] | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    json_path: Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the same requests over each transport; `url` None starts an in-process server on `model`."""
+    if media_source not in MEDIA_SOURCES:
+        raise ValueError(f"unknown media source {media_source!r}; choose from {MEDIA_SOURCES}")
+    requests = build_requests(
+        workload,
+        num_prompts,
+        input_len,
+        output_len,
+        seed,
+        _load_tokenizer(model),
+        num_images,
+        image_size,
+        prefix_len,
+    )
+    server = None
+    if url is None:
+        if model is None:
+            raise ValueError("give --url or --model")
+        server = InProcessServer(
+            model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        url = server.url
+    results: dict[str, dict] = {}
+    raw: dict[str, list[dict]] = {}
+    try:
+        for transport in transports:
+            timings, duration = asyncio.run(
+                run_requests(
+                    url.rstrip("/"),
+                    requests,
+                    transport,
+                    request_rate,
+                    burstiness,
+                    max_concurrency,
+                    api_key,
+                    seed,
+                    progress,
+                    media_source=media_source,
+                )
+            )
+            results[transport] = compute_metrics(timings, duration, goodput_slos)
+            errors = sorted({t.error for t in timings if t.error})
+            results[transport]["errors"] = errors[:10]
+            raw[transport] = [
+                {
+                    "ttft_s": t.ttft_s,
+                    "tpot_s": t.tpot_s,
+                    "e2el_s": t.e2el_s,
+                    "itls_s": t.itls_s,
+                    "output_tokens": t.output_tokens,
+                    "success": t.success,
+                }
+                for t in timings
+            ]
+    finally:
+        if server is not None:
+            server.close()
+    report = {
+        "config": {
+            "model": str(model) if model else None,
+            "url": None if server else url,
+            "in_process_server": server is not None,
+            "transports": list(transports),
+            "workload": workload,
+            "num_prompts": num_prompts,
+            "input_len": list(input_len),
+            "output_len": list(output_len),
+            "num_images": num_images if workload == "random-mm" else 0,
+            "image_size": image_size,
+            "media_source": media_source if workload == "random-mm" else None,
+            "prefix_len": prefix_len if workload == "prefix" else None,
+            "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+            "burstiness": burstiness,
+            "max_concurrency": max_concurrency,
+            "goodput_slos_ms": goodput_slos,
+            "seed": seed,
+            "max_num_seqs": max_num_seqs if server else None,
+            "max_num_batched_tokens": max_num_batched_tokens if server else None,
+        },
+        "results": results,
+        "requests": raw,
+    }
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def format_report(report: dict) -> str:
+    from mmserve.bench.metrics import format_metrics
+
+    parts = []
+    for transport, metrics in report["results"].items():
+        parts.append(f"== {transport} ==\n{format_metrics(metrics)}")
+        if metrics.get("errors"):
+            parts.append("errors: " + "; ".join(metrics["errors"]))
+    return "\n".join(parts)

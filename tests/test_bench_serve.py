@@ -1,0 +1,75 @@
+"""`mmserve bench serve --quick` against an in-process server on the tiny model: both transports, the
+text, image (data URLs and uploads) and prefix workloads, arrivals and closed loop; the JSON has every
+metric."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mmserve.cli import main
+
+METRICS = [
+    f"{stat}_{name}_ms"
+    for name in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p50", "p90", "p99")
+] + [
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "request_goodput",
+]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--transport", "ws,http"],
+        [
+            "--transport",
+            "ws",
+            "--workload",
+            "random-mm",
+            "--request-rate",
+            "40",
+            "--burstiness",
+            "0.5",
+            "--max-concurrency",
+            "3",
+        ],
+        ["--transport", "http", "--workload", "random-mm", "--media-source", "upload", "--num-images", "2"],
+        ["--transport", "http", "--workload", "prefix", "--prefix-len", "64"],
+    ],
+    ids=["text-ws-http", "mm-ws-gamma-closed-loop", "mm-upload-http", "prefix-http"],
+)
+def test_bench_serve_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path, extra: list[str]) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--model", str(tiny_model_dir("qwen2_vl")), "--quick", "--no-progress"]
+    argv += ["--json", str(out), "--goodput", "ttft:600000", "e2el:600000", *extra]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    transports = extra[1].split(",")
+    assert list(report["results"]) == transports
+    for transport in transports:
+        m = report["results"][transport]
+        assert set(METRICS) <= set(m), set(METRICS) - set(m)
+        assert m["failed"] == 0, m["errors"]
+        assert m["completed"] == report["config"]["num_prompts"] == 8
+        assert m["total_output_tokens"] >= 8 * 4  # ignore_eos: every request runs to its max_tokens
+        assert m["output_throughput"] > 0 and m["mean_ttft_ms"] > 0 and m["mean_itl_ms"] > 0
+        assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs
+        assert len(report["requests"][transport]) == 8
+
+
+def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--transport", "grpc"]) == 2
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
+    assert "goodput" in capsys.readouterr().err
