@@ -22,13 +22,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from PIL import Image
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from mmserve import LLM, SamplingParams
 from mmserve.api import ServerSettings, create_app
+from mmserve.api.server import ServerThread
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
 from mmserve.engine.async_engine import AsyncEngine
@@ -37,28 +37,6 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 KEY = "sk-test"
 MAX_TOKENS = 10
 HELLO = [{"role": "user", "content": "Describe a red circle on a white background."}]
-
-
-class LiveServer:
-    """uvicorn in a background thread on a free port (port 0: the OS picks, no race)."""
-
-    def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.ws_url = f"ws://127.0.0.1:{port}/v1/chat/ws"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +55,7 @@ def engine(model_dir: Path) -> Iterator[AsyncEngine]:
 
 
 @pytest.fixture(scope="module")
-def server(engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def server(engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     settings = ServerSettings(
         api_key=KEY,
         data_dir=tmp_path_factory.mktemp("mmserve-data"),
@@ -87,19 +65,19 @@ def server(engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> Ite
         max_image_upload_bytes=100_000,  # sample.jpg is 48 KB
         max_video_upload_bytes=1_000_000,
     )
-    live = LiveServer(create_app(engine, settings))
+    live = ServerThread(lambda: create_app(engine, settings))
     yield live
     live.stop()
 
 
 @pytest.fixture(scope="module")
-def http(server: LiveServer) -> Iterator[httpx.Client]:
+def http(server: ServerThread) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
         yield client
 
 
 @pytest.fixture(scope="module")
-def oai(server: LiveServer) -> openai.OpenAI:
+def oai(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -128,7 +106,7 @@ def ws_recv(ws: ClientConnection) -> dict[str, Any]:
 
 
 @contextmanager
-def ws_connect(server: LiveServer) -> Iterator[ClientConnection]:
+def ws_connect(server: ServerThread) -> Iterator[ClientConnection]:
     with connect(server.ws_url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
         assert ws_recv(ws)["type"] == "session.created"
         yield ws
@@ -178,7 +156,7 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
 
 
 def test_greedy_text_agrees_across_json_sse_websocket_and_offline(
-    server: LiveServer, http: httpx.Client, model_dir: Path
+    server: ServerThread, http: httpx.Client, model_dir: Path
 ) -> None:
     response = http.post("/v1/chat/completions", json=greedy(messages=HELLO))
     assert response.status_code == 200, response.text
@@ -252,7 +230,7 @@ def test_openai_package_text_image_stream_logprobs_and_errors(oai: openai.OpenAI
 # ------------------------------------------------------------------------------------------ WebSocket
 
 
-def test_websocket_interleaved_responses_cancel_and_close(server: LiveServer, http: httpx.Client) -> None:
+def test_websocket_interleaved_responses_cancel_and_close(server: ServerThread, http: httpx.Client) -> None:
     long = {"messages": HELLO, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     short = {"messages": HELLO, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     with ws_connect(server) as ws:
@@ -319,7 +297,7 @@ def test_websocket_interleaved_responses_cancel_and_close(server: LiveServer, ht
     assert 'mmserve:request_success_total{finished_reason="abort",model_name="tiny"}' in text
 
 
-def test_websocket_auth(server: LiveServer) -> None:
+def test_websocket_auth(server: ServerThread) -> None:
     with pytest.raises(InvalidStatus, match="401"), connect(server.ws_url):
         pass
     with connect(server.ws_url + f"?api_key={KEY}") as ws:
@@ -445,7 +423,7 @@ def test_upload_limits_and_missing_field(http: httpx.Client) -> None:
 # ------------------------------------------------------------------------------------------ errors
 
 
-def test_errors_have_openai_shape_and_status(server: LiveServer, http: httpx.Client) -> None:
+def test_errors_have_openai_shape_and_status(server: ServerThread, http: httpx.Client) -> None:
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
     assert_error(httpx.get(server.url + "/v1/models"), 401, "invalid_api_key")
     assert_error(httpx.get(server.url + "/v1/files", headers={"Authorization": "Bearer nope"}), 401)
@@ -487,7 +465,7 @@ def test_errors_have_openai_shape_and_status(server: LiveServer, http: httpx.Cli
 
 def test_queue_full_is_429_with_retry_after(model_dir: Path, tmp_path: Path) -> None:
     engine = AsyncEngine(EngineArgs(str(model_dir), num_kv_blocks=64), max_waiting_requests=0)
-    live = LiveServer(create_app(engine, ServerSettings(data_dir=tmp_path)))
+    live = ServerThread(lambda: create_app(engine, ServerSettings(data_dir=tmp_path)))
     try:
         response = httpx.post(live.url + "/v1/chat/completions", json=greedy(messages=HELLO), timeout=30)
         assert_error(response, 429, "queue_full")
@@ -548,7 +526,7 @@ def test_remote_media_urls_allow_list_private_addresses_and_redirects(
     settings = ServerSettings(
         data_dir=tmp_path, allowed_media_domains=("localhost",), allow_private_media_addresses=True
     )
-    live = LiveServer(create_app(engine, settings))
+    live = ServerThread(lambda: create_app(engine, settings))
 
     def chat(client: httpx.Client, base: str, url: str) -> httpx.Response:
         msgs = [

@@ -5,14 +5,11 @@ Qwen2-VL checkpoint, served by uvicorn on a free local port. Skipped until `mmse
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from mmserve.client import (
     APIError,
@@ -28,6 +25,7 @@ from mmserve.client import (
 
 try:
     from mmserve.api.app import create_app
+    from mmserve.api.server import ServerThread
     from mmserve.api.settings import ServerSettings
 except ImportError as exc:  # the server lands separately
     pytest.skip(f"mmserve.api.app is not importable yet ({exc})", allow_module_level=True)
@@ -39,25 +37,6 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 KEY = "sk-sdk"
 HELLO = [{"role": "user", "content": "Describe a red circle on a white background."}]
 GREEDY: dict[str, Any] = {"max_tokens": 8, "temperature": 0.0}
-
-
-class _Uvicorn:
-    """uvicorn in a daemon thread on a free port (port 0: the OS picks)."""
-
-    def __init__(self, app: Any) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +51,7 @@ def live_url(
     settings = ServerSettings(
         api_key=KEY, data_dir=tmp_path_factory.mktemp("sdk-data"), served_model_name="tiny"
     )
-    server = _Uvicorn(create_app(engine, settings))
+    server = ServerThread(lambda: create_app(engine, settings))
     yield server.url
     server.stop()
     asyncio.run(engine.shutdown(1.0))

@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +17,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from PIL import Image
 
 CHROMIUM = shutil.which("chromium")
@@ -30,6 +28,7 @@ sync_api = pytest.importorskip(
 )
 
 from mmserve.api.app import create_app  # noqa: E402
+from mmserve.api.server import ServerThread  # noqa: E402
 from mmserve.api.settings import ServerSettings  # noqa: E402
 from mmserve.config import EngineArgs  # noqa: E402
 from mmserve.engine.async_engine import AsyncEngine  # noqa: E402
@@ -43,36 +42,10 @@ DONE = ".msg.assistant[data-status]"
 KEY = "sk-web"
 
 
-class _Server:
-    """uvicorn in a daemon thread; `restart()` serves a fresh app on the same port."""
-
-    def __init__(self, make_app: Callable[[], Any]) -> None:
-        self.make_app = make_app
-        self.port = 0
-        self.start()
-
-    def start(self) -> None:
-        config = uvicorn.Config(self.make_app(), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-
-
 @pytest.fixture(scope="module")
 def server(
     tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[_Server]:
+) -> Iterator[ServerThread]:
     engine = AsyncEngine(
         EngineArgs(
             str(tiny_model_dir("qwen2_vl")), max_num_batched_tokens=128, max_model_len=2048, num_kv_blocks=256
@@ -83,8 +56,8 @@ def server(
         served_model_name="tiny",
         max_image_upload_bytes=IMAGE_CAP,
     )
-    srv = _Server(lambda: create_app(engine, settings))
-    srv.keyed = _Server(lambda: create_app(engine, settings.model_copy(update={"api_key": KEY})))
+    srv = ServerThread(lambda: create_app(engine, settings))
+    srv.keyed = ServerThread(lambda: create_app(engine, settings.model_copy(update={"api_key": KEY})))
     yield srv
     srv.keyed.stop()
     srv.stop()
@@ -100,7 +73,7 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def page(browser: Any, server: _Server) -> Iterator[Any]:
+def page(browser: Any, server: ServerThread) -> Iterator[Any]:
     context = browser.new_context(viewport={"width": 1000, "height": 700})
     pg = context.new_page()
     pg.set_default_timeout(30_000)
@@ -134,19 +107,19 @@ def chat(page: Any, text: str) -> Any:
     return page.locator(DONE).nth(n)
 
 
-def http_greedy(server: _Server, messages: list[dict[str, Any]], max_tokens: int) -> str:
+def http_greedy(server: ServerThread, messages: list[dict[str, Any]], max_tokens: int) -> str:
     body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
     res = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     res.raise_for_status()
     return res.json()["choices"][0]["message"]["content"]
 
 
-def running(server: _Server) -> float:
+def running(server: ServerThread) -> float:
     text = httpx.get(server.url + "/metrics").text
     return float(re.search(r"^mmserve:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
-def test_page_headers_and_no_inline_code(server: _Server) -> None:
+def test_page_headers_and_no_inline_code(server: ServerThread) -> None:
     res = httpx.get(server.url + "/")
     assert res.status_code == 200 and res.headers["content-type"].startswith("text/html")
     csp = res.headers["content-security-policy"]
@@ -157,7 +130,7 @@ def test_page_headers_and_no_inline_code(server: _Server) -> None:
     assert httpx.get(server.url + "/static/nope.js").status_code == 404
 
 
-def test_streamed_reply_equals_http_greedy(page: Any, server: _Server) -> None:
+def test_streamed_reply_equals_http_greedy(page: Any, server: ServerThread) -> None:
     system = "You are a terse assistant."
     configure(page, system=system, temperature=0, top_p=1, max_tokens=12)
     user = "Describe a red circle on a white background."
@@ -183,7 +156,7 @@ def test_streamed_reply_equals_http_greedy(page: Any, server: _Server) -> None:
     assert page.locator(DONE).count() == 2
 
 
-def test_image_and_video_attachments(page: Any, server: _Server) -> None:
+def test_image_and_video_attachments(page: Any, server: ServerThread) -> None:
     configure(page, temperature=0, max_tokens=24)
     page.set_input_files("#file-input", [str(ASSETS / "sample.jpg"), str(ASSETS / "sample_clip.mp4")])
     sync_api.expect(page.locator("#pending .att[data-state=ready]")).to_have_count(2)
@@ -205,7 +178,7 @@ def test_image_and_video_attachments(page: Any, server: _Server) -> None:
         assert len(page.screenshot()) > 10_000  # the page rendered something
 
 
-def test_stop_mid_stream(page: Any, server: _Server) -> None:
+def test_stop_mid_stream(page: Any, server: ServerThread) -> None:
     configure(page, temperature=0, max_tokens=1800)
     for how in ("button", "escape"):
         n = page.locator(".msg.assistant").count()
@@ -226,7 +199,7 @@ def test_stop_mid_stream(page: Any, server: _Server) -> None:
         sync_api.expect(page.locator("#send")).to_be_visible()
 
 
-def test_user_html_is_text(page: Any, server: _Server) -> None:
+def test_user_html_is_text(page: Any, server: ServerThread) -> None:
     configure(page, max_tokens=2)
     evil = "<img src=x onerror=alert(1)> and <script>alert(1)</script> **bold** [site](https://example.com)"
     chat(page, evil)
@@ -253,7 +226,7 @@ def test_user_html_is_text(page: Any, server: _Server) -> None:
     assert page.dialogs == []
 
 
-def test_oversized_upload_shows_server_error(page: Any, server: _Server, tmp_path: Path) -> None:
+def test_oversized_upload_shows_server_error(page: Any, server: ServerThread, tmp_path: Path) -> None:
     big = tmp_path / "noise.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 300, 3), dtype=np.uint8)).save(big)
     assert big.stat().st_size > IMAGE_CAP
@@ -264,7 +237,7 @@ def test_oversized_upload_shows_server_error(page: Any, server: _Server, tmp_pat
     sync_api.expect(error).to_have_text(expected.json()["error"]["message"])
 
 
-def test_reconnects_after_server_restart(page: Any, server: _Server) -> None:
+def test_reconnects_after_server_restart(page: Any, server: ServerThread) -> None:
     configure(page, max_tokens=4)
     server.stop()
     sync_api.expect(page.locator("#status")).to_have_attribute("data-state", "reconnecting")
@@ -274,7 +247,7 @@ def test_reconnects_after_server_restart(page: Any, server: _Server) -> None:
     assert chat(page, "Hello again").get_attribute("data-status") in ("completed", "incomplete")
 
 
-def test_api_key_from_settings(browser: Any, server: _Server) -> None:
+def test_api_key_from_settings(browser: Any, server: ServerThread) -> None:
     context = browser.new_context()
     page = context.new_page()
     page.set_default_timeout(30_000)

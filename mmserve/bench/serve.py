@@ -12,7 +12,6 @@ import json
 import math
 import random
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -323,9 +322,8 @@ class InProcessServer:
     """`create_app` over a real `AsyncEngine`, served by uvicorn in a daemon thread on a free port."""
 
     def __init__(self, model: Path, **engine_kwargs: Any) -> None:
-        import uvicorn
-
         from mmserve.api.app import create_app
+        from mmserve.api.server import ServerThread
         from mmserve.api.settings import ServerSettings
         from mmserve.config import EngineArgs
         from mmserve.engine.async_engine import AsyncEngine
@@ -333,26 +331,12 @@ class InProcessServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
         self.engine = AsyncEngine(EngineArgs(str(model), **engine_kwargs), max_waiting_requests=1 << 20)
         settings = ServerSettings(data_dir=Path(self._tmp.name), served_model_name="bench")
-        config = uvicorn.Config(
-            create_app(self.engine, settings),
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            ws_max_size=settings.max_ws_message_bytes + 1024,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("in-process server did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        app = create_app(self.engine, settings)
+        self.server = ServerThread(lambda: app, ws_max_size=settings.max_ws_message_bytes + 1024)
+        self.url = self.server.url
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
+        self.server.stop()
         asyncio.run(self.engine.shutdown(1.0))
         self._tmp.cleanup()
 
