@@ -137,7 +137,8 @@ def test_streamed_reply_equals_http_greedy(page: Any, server: ServerThread) -> N
     page.fill("#input", user)
     page.press("#input", "Enter")
     reply = page.locator(".msg.assistant").first
-    sync_api.expect(reply).to_have_class(re.compile("streaming"))  # rendered while deltas arrive
+    # A 12-token reply may finish before its transient "streaming" state can be seen;
+    # test_stop_mid_stream checks that state on a long reply.
     sync_api.expect(page.locator(DONE)).to_have_count(1)
     first = reply.get_attribute("data-raw")
     messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
@@ -186,6 +187,7 @@ def test_stop_mid_stream(page: Any, server: ServerThread) -> None:
         page.press("#input", "Enter")
         reply = page.locator(".msg.assistant").nth(n)
         sync_api.expect(reply.locator(".body")).to_have_text(re.compile(r"\S"))  # deltas are arriving
+        sync_api.expect(reply).to_have_class(re.compile("streaming"))  # rendered while it streams
         if how == "button":
             page.click("#stop")
         else:
