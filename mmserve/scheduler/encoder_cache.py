@@ -44,6 +44,9 @@ class EncoderCacheManager:
         self._evicted.clear()
         self.num_cached_tokens = self.num_referenced_tokens = 0
 
+    def held_keys(self, request_id: str) -> frozenset[EncoderKey]:
+        return frozenset(self._held.get(request_id, ()))
+
     def holds(self, request_id: str, key: EncoderKey) -> bool:
         return key in self._held.get(request_id, ())
 

@@ -162,19 +162,16 @@ class Scheduler:
             # Advanced now, so that a chunked prefill's next chunk can be planned next step.
             request.num_computed_tokens = end
             # Groups whose every token is now planned are no longer needed by this request (unless the
-            # same item appears again later in the prompt).
-            if request.mm_inputs:
+            # same item appears again later in the prompt). Only prefill steps hold any.
+            held = self.encoder_cache.held_keys(request_id)
+            if held:
                 still_needed = {
                     (mm.mm_hash, g)
                     for mm in request.mm_inputs
                     for g in range(mm.num_groups)
                     if mm.group_range(g)[1] > end
                 }
-                for mm in request.mm_inputs:
-                    for group in range(mm.num_groups):
-                        key = (mm.mm_hash, group)
-                        if mm.group_range(group)[1] <= end and key not in still_needed:
-                            step.releases.append((request_id, key))
+                step.releases.extend((request_id, key) for key in held if key not in still_needed)
         # Released only now, so that requests later in this plan could still share the entries.
         for request_id, key in step.releases:
             if key is None:
