@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from mmserve.api.media_store import MediaStore
 from mmserve.api.metrics import MetricsExporter
 from mmserve.api.protocol import ModelCard, ModelList
 from mmserve.api.settings import MiB, ServerSettings
+from mmserve.encoders.decode_pool import DecodePool
 from mmserve.encoders.media import DEFAULT_LIMITS
 from mmserve.engine.async_engine import AsyncEngine
 
@@ -69,10 +71,12 @@ def create_app(
     settings = settings or ServerSettings()
     model_name = settings.served_model_name or engine.model_name
     mm = engine.processor.mm_processor
+    limits = mm.limits if mm is not None else DEFAULT_LIMITS
+    # One pool of decode workers for chat media and upload validation (a text-only model gets its own).
+    decoder = mm.decoder if mm is not None else DecodePool.for_limits(limits)
     store = MediaStore(
-        settings.data_dir, mm.limits if mm is not None else DEFAULT_LIMITS,
-        settings.max_image_upload_bytes, settings.max_video_upload_bytes,
-    )  # fmt: skip
+        settings.data_dir, limits, settings.max_image_upload_bytes, settings.max_video_upload_bytes, decoder
+    )
     metrics = MetricsExporter(engine.stats, model_name)
     engine.stat_loggers.append(metrics)
     state = ServerState(engine, settings, model_name, store, MediaResolver(store, settings), metrics,
@@ -80,11 +84,16 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        if metrics in engine.stat_loggers:
-            engine.stat_loggers.remove(metrics)
-        if own_engine:
-            await engine.shutdown(settings.shutdown_timeout_s)
+        await asyncio.to_thread(decoder.start)  # workers ready before the first request
+        try:
+            yield
+        finally:
+            if metrics in engine.stat_loggers:
+                engine.stat_loggers.remove(metrics)
+            if own_engine:
+                await engine.shutdown(settings.shutdown_timeout_s)
+            # Every worker is stopped and reaped; an engine that outlives this app respawns on demand.
+            await asyncio.to_thread(decoder.close)
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     app.state.mm = state

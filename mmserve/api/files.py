@@ -20,7 +20,27 @@ router = APIRouter()
 _CHUNK = 1 << 20
 
 
-@router.post("/v1/files")
+# The body is parsed by hand (below); this documents it in /openapi.json for clients and fuzzers.
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post("/v1/files", openapi_extra=_UPLOAD_BODY)
 async def upload(request: Request, state: State) -> FileObject:
     # Parsed by hand (not a `File()` parameter) so a missing field is our 400, not FastAPI's 422.
     form = await request.form(max_files=1, max_fields=8)

@@ -16,7 +16,8 @@ from typing import Literal
 
 from mmserve.api.errors import APIError
 from mmserve.api.protocol import FileObject
-from mmserve.encoders.media import MediaLimits, load_image, load_video
+from mmserve.encoders.decode_pool import DecodePool
+from mmserve.encoders.media import MediaLimits
 
 _ID = re.compile(r"^file-[0-9a-f]{24}$")
 _BMFF_BOXES = {b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot", b"uuid"}
@@ -45,14 +46,21 @@ def is_file_id(text: str) -> bool:
 
 class MediaStore:
     def __init__(
-        self, data_dir: Path, limits: MediaLimits, max_image_bytes: int, max_video_bytes: int
+        self,
+        data_dir: Path,
+        limits: MediaLimits,
+        max_image_bytes: int,
+        max_video_bytes: int,
+        decoder: DecodePool | None = None,
     ) -> None:
+        """`decoder`: the worker pool that validates uploads (default: a pool of its own, sized by `limits`)."""
         self.root = Path(data_dir)
         self.blobs, self.files, self.tmp = self.root / "blobs", self.root / "files", self.root / "tmp"
         for d in (self.blobs, self.files, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         self.max_bytes = {"image": max_image_bytes, "video": max_video_bytes}
         self.limits = replace(limits, max_image_bytes=max_image_bytes, max_video_bytes=max_video_bytes)
+        self.decoder = decoder or DecodePool.for_limits(limits)
 
     async def save(self, chunks: AsyncIterator[bytes], filename: str, purpose: str) -> FileObject:
         """Stream an upload to disk (refusing it with 413 once over its kind's cap), validate it by
@@ -141,15 +149,14 @@ class MediaStore:
         return kind
 
     def _probe(self, path: Path, kind: MediaKind) -> dict[str, float | int]:
-        """Decode enough to trust the file: a whole image; a video's headers and first frame."""
+        """Decode enough to trust the file, in a decode worker: a whole image; a video's headers and first
+        frame (every limit still checked). Blocks: run it off the event loop."""
         if kind == "image":
-            image = load_image(path, self.limits, item="file", param="file")
+            image = self.decoder.probe_image(path, self.limits, item="file", param="file")
             return {"width": image.width, "height": image.height}
-        # max_video_frames=1: load_video then decodes only the first frame, still checking every limit.
-        video = load_video(path, replace(self.limits, max_video_frames=1), item="file", param="file")
-        _, height, width, _ = video.frames.shape
+        video = self.decoder.probe_video(path, self.limits, item="file", param="file")
         return {
-            "width": width, "height": height, "duration_s": round(video.duration_s, 3),
+            "width": video.width, "height": video.height, "duration_s": round(video.duration_s, 3),
             "fps": round(video.source_fps, 3), "num_frames": max(1, round(video.duration_s * video.source_fps)),
         }  # fmt: skip
 

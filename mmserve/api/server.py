@@ -15,6 +15,7 @@ import uvicorn
 from mmserve.api.app import create_app
 from mmserve.api.settings import ServerSettings
 from mmserve.config import EngineArgs
+from mmserve.encoders.media import MediaLimits
 from mmserve.engine.async_engine import AsyncEngine
 
 
@@ -26,8 +27,9 @@ def run_server(
     port: int = 8000,
     max_waiting_requests: int = 1024,
     log_level: str = "info",
+    media_limits: MediaLimits | None = None,
 ) -> None:
-    engine = AsyncEngine(engine_args, max_waiting_requests=max_waiting_requests)
+    engine = AsyncEngine(engine_args, max_waiting_requests=max_waiting_requests, media_limits=media_limits)
     app = create_app(engine, settings, own_engine=True)
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"

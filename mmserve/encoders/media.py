@@ -43,6 +43,10 @@ class MediaLimits:
     max_video_pixels_per_frame: int = 1920 * 1088
     video_fps: float = 2.0  # target sampling rate for decoded videos
     max_items_per_prompt: int = 32  # images + videos of one prompt
+    # Isolation (encoders/decode_pool.py): worker processes, and each item's wall-clock and memory budget.
+    decode_workers: int = 2  # worker processes decoding at once; more requests wait for a free one
+    decode_timeout_s: float = 30.0  # a worker still busy after this is killed and replaced
+    decode_memory_mib: int = 4096  # address space a worker may add to its idle size (RLIMIT_AS)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -119,6 +123,8 @@ def load_image(
         img.load()  # an animated GIF / WEBP / APNG stays on frame 0, its first frame
         img = ImageOps.exif_transpose(img)
         return _to_rgb(img)
+    except MemoryError:
+        raise  # the decode pool reports it as the memory limit, not as corrupt data
     except Image.DecompressionBombError as exc:
         raise fail(f"exceeds the pixel limit of {limits.max_image_pixels} (max_image_pixels)") from exc
     except Exception as exc:  # decoders raise OSError, SyntaxError, struct.error...; none is echoed
@@ -131,6 +137,8 @@ def _open_image(data: bytes, limits: MediaLimits, fail: Callable[[str], InvalidR
         return Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as exc:  # Pillow's own guard (> 2 * Image.MAX_IMAGE_PIXELS)
         raise fail(f"exceeds the pixel limit of {limits.max_image_pixels} (max_image_pixels)") from exc
+    except MemoryError:
+        raise
     except UnidentifiedImageError as exc:
         raise fail(f"is not a supported image format (supported: {', '.join(IMAGE_FORMATS)})") from exc
     except Exception as exc:
@@ -242,16 +250,24 @@ def _decode_video(
 ) -> DecodedVideo:
     try:
         container = open_container()
+    except MemoryError:
+        raise
     except Exception as exc:  # av.error.InvalidDataError and friends: never echoed
         raise fail("could not be decoded (corrupt, truncated or unsupported video data)") from exc
     with container:
         if not container.streams.video:
             raise fail("has no video stream")
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        _check_frame_size(stream.codec_context.width, stream.codec_context.height, limits, fail)
-        source_fps = float(stream.average_rate or stream.guessed_rate or 0.0)
-        duration = _stream_duration(stream, container)
+        try:  # a damaged header can leave a stream without a decoder (codec_context None) or rates
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            width, height = stream.codec_context.width, stream.codec_context.height
+            source_fps = float(stream.average_rate or stream.guessed_rate or 0.0)
+            duration = _stream_duration(stream, container)
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise fail("could not be decoded (corrupt, truncated or unsupported video data)") from exc
+        _check_frame_size(width, height, limits, fail)
         if duration is None:  # not in the headers: read the packet timestamps once (no decoding)
             duration = _scan_duration(open_container, fail)
         if duration > limits.max_video_duration_s:
@@ -321,7 +337,7 @@ def _decode_selected(
                 times.append(rel)
             if len(frames) == len(targets):
                 break  # the tail is not needed
-    except InvalidRequestError:
+    except (InvalidRequestError, MemoryError):
         raise
     except Exception as exc:
         raise fail("could not be decoded (corrupt or truncated video data)") from exc
@@ -377,6 +393,8 @@ def _scan_duration(
                 t = float(packet.pts * packet.time_base)
                 start = min(start, t)
                 end = max(end, t + float((packet.duration or 0) * packet.time_base))
+    except MemoryError:
+        raise
     except Exception as exc:
         raise fail("could not be decoded (corrupt or truncated video data)") from exc
     if end < start:
@@ -385,6 +403,42 @@ def _scan_duration(
 
 
 # ------------------------------------------------------------------------------------- shared helpers
+
+
+def encoded_source(
+    source: bytes | bytearray | memoryview | str | Path,
+    kind: str,
+    limits: MediaLimits = DEFAULT_LIMITS,
+    *,
+    item: str,
+    param: str | None = None,
+) -> bytes | Path:
+    """The cheap checks of `load_image` / `load_video`, run before any decoder: bytes or a data URL ->
+    the encoded bytes under the byte cap; a local path -> the path, its size under the cap. A video's
+    container must also be one we demux (magic bytes). Raises `InvalidRequestError` naming `item`."""
+
+    def fail(message: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{item}: {message}", param=param)
+
+    max_bytes, limit_name = (
+        (limits.max_image_bytes, "max_image_bytes")
+        if kind == "image"
+        else (limits.max_video_bytes, "max_video_bytes")
+    )
+    if isinstance(source, (str, Path)) and not _is_data_url(source):
+        path = _check_path(source, max_bytes, limit_name, kind, fail)
+        if kind == "video":
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(16)
+            except OSError as exc:
+                raise fail("could not be read") from exc
+            _sniff_video_format(head, fail)
+        return path
+    data = _read_source(source, max_bytes, limit_name, kind, fail)
+    if kind == "video":
+        _sniff_video_format(data[:16], fail)
+    return data
 
 
 def _is_data_url(source: str | Path) -> bool:

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from mmserve.encoders.media import DEFAULT_LIMITS, MediaLimits, check_items_per_prompt, load_image, load_video
+from mmserve.encoders.decode_pool import DecodePool
+from mmserve.encoders.media import DEFAULT_LIMITS, MediaLimits, check_items_per_prompt
 from mmserve.encoders.positions import MediaSpan, mrope_positions
 from mmserve.encoders.preprocess import load_preprocess_configs, mm_hash, preprocess_image, preprocess_video
 from mmserve.encoders.vision import EncoderInput
@@ -34,6 +35,8 @@ class MultiModalProcessor:
         self, model_dir: str | Path, hf_config: PretrainedConfig, limits: MediaLimits = DEFAULT_LIMITS
     ) -> None:
         self.limits = limits
+        # Untrusted bytes are decoded in worker processes (spawned on first use, or by the server at start).
+        self.decoder = DecodePool.for_limits(limits)
         self.image_config, self.video_config = load_preprocess_configs(model_dir)
         self.image_token_id: int = hf_config.image_token_id
         self.video_token_id: int = hf_config.video_token_id
@@ -79,7 +82,7 @@ class MultiModalProcessor:
         return ExpandedPrompt(expanded, mm_inputs, positions, delta)
 
     def _image(self, source: object, item: str, offset: int) -> tuple[MultiModalInput, MediaSpan]:
-        image = load_image(source, self.limits, item=item, param="images")  # type: ignore[arg-type]
+        image = self.decoder.load_image(source, self.limits, item=item, param="images")
         processed = preprocess_image(image, self.image_config, item=item)
         placeholder = PlaceholderRange(offset, processed.num_embeds)
         data = EncoderInput(processed.pixel_values, processed.grid_thw)
@@ -87,7 +90,7 @@ class MultiModalProcessor:
         return mm, MediaSpan(offset, processed.num_embeds, processed.grid_thw)
 
     def _video(self, source: object, item: str, offset: int) -> tuple[MultiModalInput, MediaSpan]:
-        video = load_video(source, self.limits, item=item, param="videos")  # type: ignore[arg-type]
+        video = self.decoder.load_video(source, self.limits, item=item, param="videos")
         processed = preprocess_video(video.frames, self.video_config, item=item)
         placeholder = PlaceholderRange(offset, processed.num_embeds)
         data = EncoderInput(processed.pixel_values, processed.grid_thw)
