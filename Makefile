@@ -1,7 +1,7 @@
 # `make serve` and `make test` each create .venv if missing and install the project into it first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-MODEL ?= assets/models/tiny-qwen2-vl
+MODEL ?= demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mmserve.bench import SYSTEMS, WORKLOADS
+from mmserve.demo.cli import DEMO_COMMANDS, add_demo_parsers, run_demo_command
 
-DEFAULT_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")
+# The committed demo model (mmserve/demo): answers questions about shapes in images and clips.
+DEFAULT_MODEL = "demo"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,9 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="offline generation: chat prompts in, streamed-free text out")
     gen.add_argument(
         "--model",
-        type=Path,
-        default=DEFAULT_MODEL_DIR,
-        help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, generated if missing)",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory, or 'demo' (the default): the demo model trained on easy-vqa shapes",
     )
     gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     _add_bench_serve_parser(bench_sub)
+    add_demo_parsers(sub)
 
     bench_sub.add_parser(
         "kernels",
@@ -112,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "generate":
         return _generate(args)
+    if args.command in DEMO_COMMANDS:
+        return run_demo_command(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "chat":
@@ -307,9 +311,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and WebSocket chat")
     serve.add_argument(
         "--model",
-        type=Path,
-        default=DEFAULT_MODEL_DIR,
-        help=f"checkpoint directory (default: {DEFAULT_MODEL_DIR}, generated if missing)",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory, or 'demo' (the default): the demo model trained on easy-vqa shapes",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -340,6 +343,24 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-waiting-requests", type=int, default=1024, help="beyond this, 429 with Retry-After"
     )
+    serve.add_argument(
+        "--decode-workers",
+        type=int,
+        default=2,
+        help="media decode worker processes (isolated from the server)",
+    )
+    serve.add_argument(
+        "--decode-timeout-s",
+        type=float,
+        default=30.0,
+        help="a media item still decoding after this fails (400)",
+    )
+    serve.add_argument(
+        "--decode-memory-mib",
+        type=int,
+        default=4096,
+        help="memory one media item may use in its decode worker",
+    )
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -359,8 +380,13 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import run_server
     from mmserve.api.settings import ServerSettings
     from mmserve.config import EngineArgs
+    from mmserve.encoders.media import MediaLimits
 
-    _ensure_default_model(args.model)
+    media_limits = MediaLimits(
+        decode_workers=args.decode_workers,
+        decode_timeout_s=args.decode_timeout_s,
+        decode_memory_mib=args.decode_memory_mib,
+    )
     engine_args = EngineArgs(
         str(args.model),
         device=args.device,
@@ -388,25 +414,14 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
+        media_limits=media_limits,
     )
     return 0
-
-
-def _ensure_default_model(model: Path) -> None:
-    if not model.exists() and model == DEFAULT_MODEL_DIR:
-        from mmserve.tiny_model import make_tiny_model
-
-        print(
-            f"no model at {model}: generating the tiny random default (its answers are noise)",
-            file=sys.stderr,
-        )
-        make_tiny_model(model)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from mmserve import LLM, SamplingParams
 
-    _ensure_default_model(args.model)
     prompts = args.prompt or [
         "Describe a red circle on a white background.",
         "What is the capital of France?",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,7 @@ PRESETS = {
 }  # fmt: skip
 
 
-def _corpus(n_lines: int) -> list[str]:
+def english_like_corpus(n_lines: int) -> list[str]:
     """Deterministic English-like text with digits, punctuation, accents, CJK and emoji."""
     rng = random.Random(1234)
     syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ou", "ea")]
@@ -146,8 +147,9 @@ def _corpus(n_lines: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(bpe_vocab: int) -> Tokenizer:
-    """Qwen2's byte-level BPE pipeline, trained on `_corpus`; special tokens get ids bpe_vocab.. in order."""
+def build_tokenizer(bpe_vocab: int, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """Qwen2's byte-level BPE pipeline trained on `corpus` (default `english_like_corpus`); special tokens get ids
+    bpe_vocab.. in order."""
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -159,14 +161,14 @@ def build_tokenizer(bpe_vocab: int) -> Tokenizer:
         vocab_size=bpe_vocab, min_frequency=2, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
-    tok.train_from_iterator(_corpus(20000), trainer=trainer)
+    tok.train_from_iterator(english_like_corpus(20000) if corpus is None else corpus, trainer=trainer)
     if tok.get_vocab_size() != bpe_vocab:  # the corpus must be rich enough to reach the target exactly
         raise RuntimeError(f"BPE trained {tok.get_vocab_size()} tokens, wanted {bpe_vocab}")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 
-def _tokenizer_config(tok: Tokenizer) -> dict:
+def tokenizer_config(tok: Tokenizer) -> dict:
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                   "single_word": False, "special": True}
@@ -180,9 +182,9 @@ def _tokenizer_config(tok: Tokenizer) -> dict:
     }  # fmt: skip
 
 
-def build_config(arch: str, preset: str, tok_ids: dict[str, int], vocab_size: int) -> PreTrainedConfig:
+def build_config(arch: str, preset: str | Preset, tok_ids: dict[str, int], vocab_size: int) -> PreTrainedConfig:
     """The transformers config for (arch, preset); `tok_ids` maps special token -> id."""
-    p = PRESETS[preset]
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     head_dim = p.hidden // p.heads
     text = dict(
         vocab_size=vocab_size, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
@@ -234,7 +236,7 @@ def _spread_weights(model: PreTrainedModel, p: Preset, never: list[int]) -> None
     model.get_decoder().norm.weight.mul_(p.logit_std / (p.hidden**0.5 * lm_head_std))
 
 
-def _preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
+def preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
     processor = "Qwen2VLProcessor" if arch == "qwen2_vl" else "Qwen2_5_VLProcessor"
     image = {
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
@@ -250,7 +252,7 @@ def _preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
     return image, video
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -267,7 +269,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2_vl", preset: str = "
     tok = build_tokenizer(p.bpe_vocab)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(tok))
+    write_json(out / "tokenizer_config.json", tokenizer_config(tok))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
     vocab_size = -(-tok.get_vocab_size() // 64) * 64  # padded rows past the tokenizer, as Qwen has
@@ -287,7 +289,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2_vl", preset: str = "
     )  # fmt: skip
     gen.save_pretrained(out)
     if arch != "qwen2":
-        image, video = _preprocessor_configs(arch, p)
-        _write_json(out / "preprocessor_config.json", image)
-        _write_json(out / "video_preprocessor_config.json", video)
+        image, video = preprocessor_configs(arch, p)
+        write_json(out / "preprocessor_config.json", image)
+        write_json(out / "video_preprocessor_config.json", video)
     return out

@@ -3,12 +3,14 @@ the processor, from `EngineArgs` and a local checkpoint directory (never a downl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from mmserve.config import EngineArgs
+from mmserve.demo import resolve_model
 from mmserve.encoders.media import DEFAULT_LIMITS, MediaLimits
 from mmserve.engine.core import EngineCore
 from mmserve.engine.mm_processor import MultiModalProcessor
@@ -24,6 +26,7 @@ class LoadedEngine:
 
 
 def load_engine(args: EngineArgs, media_limits: MediaLimits | None = None) -> LoadedEngine:
+    args = dataclasses.replace(args, model=str(resolve_model(args.model)))
     if not (Path(args.model) / "config.json").is_file():
         raise InvalidRequestError(
             f"model: {args.model} is not a checkpoint directory (no config.json); mmserve loads local "

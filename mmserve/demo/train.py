@@ -1,0 +1,270 @@
+"""`mmserve train-demo`: trains the demo model, a small Qwen2-VL (transformers' own
+`Qwen2VLForConditionalGeneration`), on easy-vqa's train split plus moving-shape clips, on the CPU.
+
+One step takes a batch of media items (images and clips) with all their questions: each item goes through
+the vision tower once and its embeddings are shared by the item's question sequences (`mm_encoder_outputs`),
+so the tower costs one pass per item rather than one per question. The loss is cross-entropy on the answer
+tokens and the `<|im_end|>` after them; the prompt is exactly what mmserve's `LLM.chat` builds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from mmserve.demo.data import (
+    easy_vqa_questions,
+    load_easy_vqa_images,
+    make_clips,
+    tokenizer_corpus,
+    video_questions,
+)
+from mmserve.encoders.preprocess import config_from_dict, preprocess_image, preprocess_video
+from mmserve.tiny_model import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    Preset,
+    build_config,
+    build_tokenizer,
+    preprocessor_configs,
+    tokenizer_config,
+    write_json,
+)
+
+# ~2.7 M parameters. Every image and frame is resized to 84x84 (min = max pixels): 6x6 patches of 14 px,
+# 9 embedding tokens per image or per temporal group of two frames.
+DEMO_PRESET = Preset(
+    bpe_vocab=768, hidden=192, layers=3, heads=6, kv_heads=2, intermediate=512, max_positions=4096,
+    vision_depth=3, vision_dim=128, vision_heads=4, vision_intermediate=512, window_size=56,
+    min_pixels=84 * 84, max_pixels=84 * 84, max_frames=16, init_std=0.02, logit_std=0.0,
+)  # fmt: skip
+NUM_TRAIN_CLIPS = 1600
+TRAIN_CLIP_SEED = 1
+HELD_OUT_CLIP_SEED = 2  # eval-demo's clips
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: float = 2.0
+    items_per_step: int = 16  # media items; each brings all its questions (~10 per image, 4 per clip)
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    num_threads: int | None = None  # torch threads; default: torch's choice
+
+
+@dataclass
+class _Item:
+    kind: str  # "image" | "video"
+    pixel_values: torch.Tensor  # [patches, 1176] float32
+    grid_thw: tuple[int, int, int]
+    prompts: list[list[int]]  # token ids, placeholder expanded, ending with "<|im_start|>assistant\n"
+    answers: list[list[int]]  # answer tokens + <|im_end|>
+
+
+def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig()) -> dict:
+    """Train and write the checkpoint to `out_dir`; returns the training summary (also in train_log.json)."""
+    started = time.monotonic()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+
+    tok = build_tokenizer(DEMO_PRESET.bpe_vocab, tokenizer_corpus(random.Random(cfg.seed)))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    tok.save(str(out / "tokenizer.json"))
+    write_json(out / "tokenizer_config.json", tokenizer_config(tok))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    image_pp, video_pp = preprocessor_configs("qwen2_vl", DEMO_PRESET)
+    write_json(out / "preprocessor_config.json", image_pp)
+    write_json(out / "video_preprocessor_config.json", video_pp)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+
+    vocab_size = -(-tok.get_vocab_size() // 64) * 64
+    config = build_config("qwen2_vl", DEMO_PRESET, ids, vocab_size)
+    config._attn_implementation = "sdpa"
+    model = Qwen2VLForConditionalGeneration(config)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    items = _build_items(tokenizer, config, config_from_dict(image_pp, "image"), config_from_dict(video_pp, "video"),
+                         random.Random(cfg.seed))  # fmt: skip
+    num_steps = math.ceil(cfg.epochs * len(items) / cfg.items_per_step)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim == 1 or "embed" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.98),
+    )  # fmt: skip
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine decay to 5%
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, num_steps - cfg.warmup_steps)
+        return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    rng = random.Random(cfg.seed + 1)
+    batches: list[list[_Item]] = []  # one modality per batch: image prompts are not padded to video length
+    model.train()
+    history: list[dict] = []
+    running_loss, running_acc = 0.0, 0.0
+    with tqdm(total=num_steps, desc="train-demo", unit="step") as bar:
+        for step in range(num_steps):
+            if not batches:
+                batches = _epoch_batches(items, cfg.items_per_step, rng)
+            batch = batches.pop()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            loss, acc = _step_loss(model, config, batch, pad_id=ids["<|endoftext|>"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            running_loss = 0.95 * running_loss + 0.05 * loss.item() if step else loss.item()
+            running_acc = 0.95 * running_acc + 0.05 * acc if step else acc
+            bar.set_postfix(loss=f"{running_loss:.3f}", answer_acc=f"{running_acc:.3f}")
+            bar.update(1)
+            if step % 50 == 0 or step == num_steps - 1:
+                history.append({"step": step, "loss": round(running_loss, 4), "answer_acc": round(running_acc, 4)})
+
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], do_sample=False,
+    ).save_pretrained(out)  # fmt: skip
+    summary = {
+        "train_config": asdict(cfg),
+        "num_parameters": num_params,
+        "num_items": len(items),
+        "num_questions": sum(len(it.prompts) for it in items),
+        "num_steps": num_steps,
+        "train_seconds": round(time.monotonic() - started, 1),
+        "torch_threads": torch.get_num_threads(),
+        "history": history,
+    }
+    write_json(out / "train_log.json", summary)
+    return summary
+
+
+def _epoch_batches(items: list[_Item], size: int, rng: random.Random) -> list[list[_Item]]:
+    batches = []
+    for kind in ("image", "video"):
+        members = [it for it in items if it.kind == kind]
+        rng.shuffle(members)
+        batches += [members[i : i + size] for i in range(0, len(members), size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _build_items(
+    tokenizer: PreTrainedTokenizerFast,
+    config: object,
+    image_cfg: object,
+    video_cfg: object,
+    rng: random.Random,
+) -> list[_Item]:
+    """easy-vqa train images with their questions, and NUM_TRAIN_CLIPS clips with four questions each."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt_cache: dict[tuple[str, str], list[int]] = {}
+
+    def prompt_ids(kind: str, question: str, num_embeds: int) -> list[int]:
+        key = (kind, question)
+        if key not in prompt_cache:
+            messages = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": question}]}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt_cache[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pad = config.image_token_id if kind == "image" else config.video_token_id
+        out: list[int] = []
+        for t in prompt_cache[key]:
+            out.extend([t] * num_embeds if t == pad else [t])
+        return out
+
+    def answer_ids(answer: str) -> list[int]:
+        return [*tokenizer(answer, add_special_tokens=False)["input_ids"], im_end]
+
+    by_image: dict[int, list[tuple[str, str]]] = {}
+    for q in easy_vqa_questions("train"):
+        by_image.setdefault(q.media_id, []).append((q.text, q.answer))
+    images = load_easy_vqa_images("train")
+    items = []
+    for image_id, qa in sorted(by_image.items()):
+        from PIL import Image
+
+        processed = preprocess_image(Image.fromarray(images[image_id]), image_cfg)
+        items.append(_Item("image", processed.pixel_values, processed.grid_thw,
+                           [prompt_ids("image", q, processed.num_embeds) for q, _ in qa],
+                           [answer_ids(a) for _, a in qa]))  # fmt: skip
+    for clip in tqdm(make_clips(NUM_TRAIN_CLIPS, TRAIN_CLIP_SEED), desc="clips", leave=False):
+        processed = preprocess_video(clip.frames, video_cfg)
+        qa = video_questions(clip, rng)
+        items.append(_Item("video", processed.pixel_values, processed.grid_thw,
+                           [prompt_ids("video", q, processed.num_embeds) for q, _ in qa],
+                           [answer_ids(a) for _, a in qa]))  # fmt: skip
+    return items
+
+
+def _step_loss(
+    model: Qwen2VLForConditionalGeneration, config: object, batch: list[_Item], pad_id: int
+) -> tuple[torch.Tensor, float]:
+    """Mean cross-entropy over answer tokens of every question of `batch`; also the fraction of questions
+    whose every answer token is the argmax (teacher-forced)."""
+    seqs: list[list[int]] = []
+    answer_spans: list[tuple[int, int]] = []  # [start, end) of the answer tokens in each sequence
+    seq_item: list[int] = []
+    for i, item in enumerate(batch):
+        for prompt, answer in zip(item.prompts, item.answers, strict=True):
+            seqs.append(prompt + answer)
+            answer_spans.append((len(prompt), len(prompt) + len(answer)))
+            seq_item.append(i)
+    length = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        input_ids[r, : len(s)] = torch.tensor(s)
+        attention_mask[r, : len(s)] = 1
+    types = (input_ids == config.image_token_id).long() + 2 * (input_ids == config.video_token_id).long()
+
+    encoder_outputs: dict[str, BaseModelOutputWithPooling] = {}
+    grids: dict[str, torch.Tensor] = {}
+    for kind in ("image", "video"):
+        members = [i for i, it in enumerate(batch) if it.kind == kind]
+        if not members:
+            continue
+        grid = torch.tensor([batch[i].grid_thw for i in members])
+        pixels = torch.cat([batch[i].pixel_values for i in members])
+        embeds = model.model.visual(pixels, grid_thw=grid).pooler_output  # [sum tokens, hidden]
+        per_item = dict(zip(members, torch.split(embeds, (grid.prod(-1) // 4).tolist()), strict=True))
+        # One entry per sequence, in sequence order: the item's embeddings are shared, not recomputed.
+        encoder_outputs[kind] = BaseModelOutputWithPooling(
+            pooler_output=tuple(per_item[i] for i in seq_item if batch[i].kind == kind)
+        )
+        grids[kind] = torch.tensor([batch[i].grid_thw for i in seq_item if batch[i].kind == kind])
+    hidden = model.model(
+        input_ids=input_ids, attention_mask=attention_mask, mm_token_type_ids=types,
+        image_grid_thw=grids.get("image"), video_grid_thw=grids.get("video"), mm_encoder_outputs=encoder_outputs,
+    ).last_hidden_state  # fmt: skip
+    rows = torch.tensor([r for r, (a, b) in enumerate(answer_spans) for _ in range(a, b)])
+    cols = torch.tensor([c for a, b in answer_spans for c in range(a, b)])
+    logits = model.lm_head(hidden[rows, cols - 1])  # the token at c is predicted from position c - 1
+    targets = input_ids[rows, cols]
+    loss = F.cross_entropy(logits.float(), targets)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == targets).tolist()
+        per_question = np.split(np.array(correct), np.cumsum([b - a for a, b in answer_spans])[:-1])
+        acc = float(np.mean([q.all() for q in per_question]))
+    return loss, acc
