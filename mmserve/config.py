@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequestError
+from mmserve.request import SLO, ServiceClass
 from mmserve.scheduler.policy import POLICIES
+
+ADMISSION_MODES = ("off", "downgrade", "reject")
+DEFAULT_INTERACTIVE_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)  # a person chatting
+DEFAULT_BATCH_SLO = SLO()  # throughput work: no target
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,17 @@ class SchedulerConfig:
         None  # embedding tokens held at once; None: 4x the encoder budget, >= 8192
     )
     chunk_encoder: bool = True  # encode a video's temporal groups only as the prefill reaches them
+    # -- the `slo` policy (scheduler/slo.py); other policies ignore these -------------------------
+    interactive_slo: SLO = DEFAULT_INTERACTIVE_SLO  # class defaults, under a request's own targets
+    batch_slo: SLO = DEFAULT_BATCH_SLO
+    max_batch_decode_skips: int = 4  # a running batch decode waits at most this many steps in a row
+    batch_min_share: float = 0.1  # of a step's tokens and predicted time, kept for batch work if any
+    step_time_headroom: float = 0.1  # steps are planned to (1 - this) x the tightest TBT target
+    batch_aging_ms: float = 30_000.0  # a batch request waiting this long is served like a late chat
+    pin_after_preemptions: int = 2  # a request preempted this often is not evicted again ...
+    pin_ms: float = 2_000.0  # ... for this long after its latest preemption
+    admission_control: str = "off"  # "downgrade" | "reject" an interactive request whose TTFT cannot be met
+    step_time_model: str | None = None  # JSON of StepTimeModel coefficients; None: built-in defaults
 
     def __post_init__(self) -> None:
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -35,6 +51,27 @@ class SchedulerConfig:
                 f"scheduler_policy: must be one of {', '.join(sorted(POLICIES))}, got {self.policy!r}",
                 param="scheduler_policy",
             )
+        for name in ("interactive_slo", "batch_slo"):
+            object.__setattr__(self, name, SLO.parse(getattr(self, name)) or SLO())
+        _check_positive("max_batch_decode_skips", self.max_batch_decode_skips)
+        _check_positive("pin_after_preemptions", self.pin_after_preemptions)
+        for name in ("batch_min_share", "step_time_headroom"):
+            share = getattr(self, name)
+            if not isinstance(share, (int, float)) or isinstance(share, bool) or not (0.0 <= share < 1.0):
+                raise InvalidRequestError(f"{name}: must be a number in [0, 1), got {share!r}", param=name)
+        for name in ("batch_aging_ms", "pin_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0.0):
+                raise InvalidRequestError(f"{name}: must be a number >= 0, got {value!r}", param=name)
+        if self.admission_control not in ADMISSION_MODES:
+            raise InvalidRequestError(
+                f"admission_control: must be one of {', '.join(ADMISSION_MODES)}, got {self.admission_control!r}",
+                param="admission_control",
+            )
+
+    def class_slo(self, service_class: ServiceClass) -> SLO:
+        """The server's default targets for a class."""
+        return self.interactive_slo if service_class == ServiceClass.INTERACTIVE else self.batch_slo
 
 
 @dataclass(frozen=True)

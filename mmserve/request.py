@@ -12,6 +12,68 @@ from dataclasses import dataclass, field
 from mmserve.errors import InvalidRequestError
 
 
+class ServiceClass(enum.IntEnum):
+    """Who is waiting for a request. Smaller is more urgent; only the `slo` policy acts on it."""
+
+    INTERACTIVE = 0  # a person watching the stream: fast first token, steady tokens after
+    BATCH = 1  # throughput work: takes whatever the interactive requests leave
+
+    @classmethod
+    def parse(cls, value: object) -> ServiceClass:
+        """Accept a ServiceClass or its lower-case name ("interactive" | "batch")."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise InvalidRequestError(
+            f"service_class: must be 'interactive' or 'batch', got {value!r}", param="service_class"
+        )
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets of one request, in milliseconds; None: no target of that kind.
+
+    ttft_ms: arrival -> first token; tbt_ms: between two output tokens; deadline_ms: arrival -> last token.
+    """
+
+    ttft_ms: float | None = None
+    tbt_ms: float | None = None
+    deadline_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tbt_ms", "deadline_ms"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not (0.0 < value < 1e9)):
+                raise InvalidRequestError(
+                    f"slo.{name}: must be None or a number of milliseconds in (0, 1e9), got {value!r}",
+                    param=f"slo.{name}",
+                )
+
+    @classmethod
+    def parse(cls, value: object) -> SLO | None:
+        """Accept None, an SLO, or a mapping with (a subset of) its three keys."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"ttft_ms", "tbt_ms", "deadline_ms"}
+            if unknown:
+                raise InvalidRequestError(
+                    f"slo: unknown field(s) {sorted(map(str, unknown))}; expected ttft_ms, tbt_ms, deadline_ms",
+                    param="slo",
+                )
+            return cls(**value)
+        raise InvalidRequestError(f"slo: must be an object or null, got {type(value).__name__}", param="slo")
+
+    def over(self, defaults: SLO) -> SLO:
+        """This SLO's fields where given, else the defaults' (a request's own targets over its class's)."""
+        return SLO(
+            self.ttft_ms if self.ttft_ms is not None else defaults.ttft_ms,
+            self.tbt_ms if self.tbt_ms is not None else defaults.tbt_ms,
+            self.deadline_ms if self.deadline_ms is not None else defaults.deadline_ms,
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. Validated once at construction."""
@@ -26,6 +88,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the chosen token
     priority: int = 0  # smaller is served first by the `priority` policy (vLLM's convention)
+    # The `slo` policy's inputs; other policies ignore them. Strings and dicts are accepted and stored
+    # as ServiceClass / SLO. The request's effective SLO is `slo` over its class's defaults.
+    service_class: ServiceClass = ServiceClass.INTERACTIVE
+    slo: SLO | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from users; store tuples so the object stays hashable.
@@ -38,6 +104,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", None)
+        object.__setattr__(self, "service_class", ServiceClass.parse(self.service_class))
+        object.__setattr__(self, "slo", SLO.parse(self.slo))
         self._validate()
 
     def _validate(self) -> None:
@@ -165,6 +233,9 @@ class Request:
     num_cached_tokens: int | None = None  # prefix-cache hit length at first scheduling
     first_scheduled_time: float | None = None  # time.monotonic() when first granted tokens
     num_preemptions: int = 0
+    last_token_time: float | None = None  # scheduler clock when the latest output token was applied
+    # Set by the `slo` policy's admission control when it downgrades the request to batch.
+    class_override: ServiceClass | None = None
     # Chain hashes of the full blocks of all_token_ids, filled by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival_seq: int = 0  # tie-breaker that keeps FCFS stable; set by the scheduler
@@ -187,6 +258,12 @@ class Request:
     @property
     def priority(self) -> int:
         return self.sampling_params.priority
+
+    @property
+    def service_class(self) -> ServiceClass:
+        if self.class_override is not None:
+            return self.class_override
+        return self.sampling_params.service_class
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -94,9 +94,11 @@ class EngineCore:
             self.runner.encoder_cache.clear()
             raise
         outputs = self.scheduler.update(plan, runner_output)
+        duration_s = time.perf_counter() - start
+        self.scheduler.record_step_time(plan, duration_s)  # the step-time model's online correction
         self.step_history.append(
             StepRecord(
-                time.perf_counter() - start,
+                duration_s,
                 self.runner.last_encoder_duration_s,
                 plan.num_decode_tokens,
                 plan.num_prefill_tokens,

@@ -18,6 +18,7 @@ class SchedulingPolicy:
     chunked_prefill: bool = True  # a prefill may be split across steps to fit the token budget
     prefill_first: bool = False  # a step that admits new prefills runs no decodes
     admit_while_running: bool = True  # False: a new batch starts only when the last one finished
+    slo_aware: bool = False  # steps are planned by scheduler/slo.py (service classes, SLO targets)
 
     def sort_key(self, request: Request) -> tuple[int, ...]:
         if self.use_priority:
@@ -37,6 +38,10 @@ POLICIES: dict[str, SchedulingPolicy] = {
     "static": SchedulingPolicy(
         "static", chunked_prefill=False, prefill_first=True, admit_while_running=False
     ),
+    # Interactive decodes protected under a TBT-derived step-time budget, interactive prefills
+    # least-slack-first, batch work in what is left. Its order and victims live in SloPlanner;
+    # sort_key and pick_victim above are unused by it.
+    "slo": SchedulingPolicy("slo", slo_aware=True),
 }
 
 

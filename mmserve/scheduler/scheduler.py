@@ -2,7 +2,9 @@
 blocks, preempts by recompute when blocks run out, and applies sampled tokens. Torch-free.
 
 There are no prefill/decode phases: a request has `num_computed_tokens` and `num_tokens`, and a
-step grants it up to the difference (a decode is a grant of one token).
+step grants it up to the difference (a decode is a grant of one token). Which requests get tokens
+is the policy's: fcfs / priority / no_chunk / static are planned here, `slo` by `slo.SloPlanner`.
+Time comes from an injectable clock, so tests drive the scheduler with a virtual one.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError
-from mmserve.request import MultiModalInput, Request, RequestStatus
+from mmserve.request import MultiModalInput, Request, RequestStatus, ServiceClass
 from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderKey
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.output import (
@@ -25,6 +28,8 @@ from mmserve.scheduler.output import (
     SchedulerOutput,
 )
 from mmserve.scheduler.policy import get_policy
+from mmserve.scheduler.slo import SloPlanner
+from mmserve.scheduler.step_time import StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,11 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens
     encoder_cache_hits: int  # embedding tokens served from the encoder cache
     num_encoder_tokens_computed: int  # embedding tokens the encoder computed
+    # Per service class (every policy counts them; only `slo` acts on classes).
+    num_preemptions_interactive: int = 0
+    num_preemptions_batch: int = 0
+    num_throttled_batch_decodes: int = 0  # `slo`: steps a running batch decode was skipped
+    num_downgraded_requests: int = 0  # `slo` admission control: interactive requests run as batch
 
     @property
     def kv_cache_usage(self) -> float:
@@ -58,9 +68,20 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+        step_time_model: StepTimeModel | None = None,
+    ) -> None:
         self.config = scheduler_config
         self.policy = get_policy(scheduler_config.policy)
+        self.clock = clock  # seconds; the same clock as Request.arrival_time
+        if step_time_model is None:
+            path = scheduler_config.step_time_model
+            step_time_model = StepTimeModel.load(path) if path is not None else StepTimeModel()
+        self.step_time = step_time_model  # corrected online by record_step_time()
         self.kv = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -69,6 +90,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by policy.sort_key
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.num_preemptions_by_class: dict[ServiceClass, int] = dict.fromkeys(ServiceClass, 0)
+        # The `slo` policy plans steps itself, through the primitives below.
+        self.slo: SloPlanner | None = SloPlanner(self) if self.policy.slo_aware else None
         self._arrival_seq = itertools.count()
         self._finished_ids: set[str] = set()  # since the last plan
         self._preempted_ids: set[str] = set()
@@ -93,6 +117,8 @@ class Scheduler:
                 f"and policy {self.policy.name!r} does not chunk prefills",
                 param="prompt",
             )
+        if self.slo is not None:
+            self.slo.admit(request, self.clock())  # may downgrade it to batch, or raise SloInfeasibleError
         request.arrival_seq = next(self._arrival_seq)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -115,7 +141,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def record_step_time(self, plan: SchedulerOutput, duration_s: float) -> None:
+        """Engine feedback: the measured wall time of the step that executed `plan`."""
+        self.step_time.observe_plan(plan, duration_s)
+
     def stats(self) -> SchedulerStats:
+        slo = self.slo.counters if self.slo is not None else None
         return SchedulerStats(
             num_total_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
@@ -127,17 +158,24 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             encoder_cache_hits=self.encoder_cache.num_hit_tokens,
             num_encoder_tokens_computed=self.encoder_cache.num_computed_tokens,
+            num_preemptions_interactive=self.num_preemptions_by_class[ServiceClass.INTERACTIVE],
+            num_preemptions_batch=self.num_preemptions_by_class[ServiceClass.BATCH],
+            num_throttled_batch_decodes=slo.throttled_batch_decodes if slo is not None else 0,
+            num_downgraded_requests=slo.downgraded if slo is not None else 0,
         )
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_tokens)
-        if self.policy.prefill_first:
-            self._schedule_waiting(step)
-        if not step.grants:
-            preempted = self._schedule_running(step)
-            if not preempted and not self.policy.prefill_first:
+        if self.slo is not None:
+            self.slo.fill(step, self.clock())
+        else:
+            if self.policy.prefill_first:
                 self._schedule_waiting(step)
+            if not step.grants:
+                preempted = self._schedule_running(step)
+                if not preempted and not self.policy.prefill_first:
+                    self._schedule_waiting(step)
 
         scheduled = []
         for request_id, num_new_tokens in step.grants.items():
@@ -193,6 +231,7 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens and finish requests that stop. One output per sampled request."""
         outputs = []
+        now = self.clock()
         for request_id, token_id, logprobs in zip(
             runner_output.request_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
         ):
@@ -200,6 +239,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished or preempted after this plan was made; its token is dropped
             request.append_output_token(token_id)
+            request.last_token_time = now
             status = self._check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
@@ -265,15 +305,19 @@ class Scheduler:
                 break
             if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            self.waiting.pop(0)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
-                request.first_scheduled_time = time.monotonic()
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self._start_running(request, num_cached)
             self._grant(step, request, num_new_tokens, encoder_plan)
+
+    def _start_running(self, request: Request, num_cached: int) -> None:
+        """Move an admitted request (its blocks just allocated) from waiting to running."""
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+            request.first_scheduled_time = self.clock()
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
 
     def _plan_encoder(
         self, request: Request, start: int, num_new_tokens: int, step: _Step
@@ -352,6 +396,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preemptions_by_class[request.service_class] += 1
         self._preempted_ids.add(request.request_id)
         self._enqueue_waiting(request)
 
