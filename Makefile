@@ -5,7 +5,7 @@ MODEL ?= demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint
+.PHONY: install serve test lint soak
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,3 +23,9 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q
+
+# Minutes of mixed traffic (text, images, video; HTTP and WebSocket; cancels and disconnects) against an
+# in-process server on a tiny model made on the fly; prints a report and fails on any leak or error.
+SOAK_S ?= 180
+soak: install
+	$(PY) -m mmserve.bench.soak --duration-s $(SOAK_S)

@@ -95,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     _add_bench_serve_parser(bench_sub)
+    _add_bench_profile_parser(bench_sub)
     add_demo_parsers(sub)
 
     bench_sub.add_parser(
@@ -127,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from mmserve.bench.kernels import main as bench_kernels
 
             return bench_kernels(rest)
+        if args.bench_command == "profile":
+            return _bench_profile(args)
         if args.bench_command == "serve":
             return _bench_serve(args)
         return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
@@ -224,7 +227,7 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
     p.add_argument("--transport", default="ws", help="ws, http or ws,http (the same requests over each)")
-    p.add_argument("--workload", default="random", choices=["random", "random-mm", "prefix"])
+    p.add_argument("--workload", default="random", choices=["random", "random-mm", "prefix", "slo-mix"])
     p.add_argument(
         "--media-source",
         default="data-url",
@@ -252,9 +255,79 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
     p.add_argument("--plot", type=Path, default=None, help="write latency CDF PNGs here (needs matplotlib)")
+    _add_slo_mix_flags(p)
+
+
+def _add_slo_mix_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--workload slo-mix (fcfs, priority and slo side by side, in-process servers)")
+    g.add_argument("--loads", default="0.5,1,2", help="comma-separated chat arrival rates (req/s)")
+    g.add_argument("--duration-s", type=float, default=20.0, help="seconds of chats per load")
+    g.add_argument("--num-batch", type=int, default=6, help="batch jobs per load (text, multi-image, video)")
+    g.add_argument("--policies", default="fcfs,priority,slo")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="interactive TTFT target")
+    g.add_argument("--slo-tbt-ms", type=float, default=100.0, help="interactive TBT target (judged on TPOT)")
+    g.add_argument("--step-time-model", default=None, help="`mmserve bench profile` JSON for the slo policy")
+    g.add_argument("--step-time-headroom", type=float, default=0.1, help="the slo policy's TBT headroom")
+
+
+def _add_bench_profile_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("profile", help="calibrate the slo policy's step-time model on the model (JSON)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory (default: the bench preset)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("step_time.json"), help="the fitted model (--step-time-model)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every sample and the fit's error here")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step of the sweep")
+    p.add_argument("--quick", action="store_true", help="a few small shapes: a smoke run")
+
+
+def _bench_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from mmserve.bench.profile import QUICK_PROFILE, ProfileConfig, bench_profile, format_profile
+
+    cfg = QUICK_PROFILE if args.quick else ProfileConfig(max_num_batched_tokens=args.max_num_batched_tokens)
+    if not args.quick:
+        cfg = dataclasses.replace(cfg, chunked_len=max(cfg.chunked_len, 2 * args.max_num_batched_tokens))
+    report = bench_profile(_bench_model(args.model), args.out, cfg, args.json, args.device)
+    print(format_profile(report))
+    print(f"wrote {report['out']} (serve with --scheduler-policy slo --step-time-model {report['out']})")
+    return 0
+
+
+def _bench_slo_mix(args: argparse.Namespace) -> int:
+    from mmserve.bench.slo_mix import QUICK_MIX, MixConfig, bench_slo_mix, format_slo_mix
+
+    if args.url:
+        print("--workload slo-mix starts its own servers (one per policy); drop --url", file=sys.stderr)
+        return 2
+    try:
+        cfg = QUICK_MIX if args.quick else MixConfig(
+            loads=tuple(float(x) for x in args.loads.split(",") if x.strip()), duration_s=args.duration_s,
+            num_batch=args.num_batch, ttft_ms=args.slo_ttft_ms, tbt_ms=args.slo_tbt_ms,
+            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            step_time_model=args.step_time_model, step_time_headroom=args.step_time_headroom, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_slo_mix(_bench_model(args.model), cfg, args.json, progress=not args.no_progress)
+    print(format_slo_mix(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_slo_mix
+
+        for path in plot_slo_mix(report, args.plot):
+            print(f"wrote {path}")
+    return 0
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
+    if args.workload == "slo-mix":
+        return _bench_slo_mix(args)
     from mmserve.bench.metrics import parse_goodput
     from mmserve.bench.serve import QUICK, TRANSPORTS, bench_serve, format_report
 
@@ -361,6 +434,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=4096,
         help="memory one media item may use in its decode worker",
     )
+    serve.add_argument(
+        "--max-concurrent-requests-per-key",
+        type=int,
+        default=None,
+        help="beyond this, 429 (default: no limit)",
+    )
+    serve.add_argument(
+        "--cors-allow-origins", default="", help="comma-separated origins allowed by CORS (default: CORS off)"
+    )
+    serve.add_argument("--shutdown-timeout-s", type=float, default=10.0, help="SIGTERM: drain this long")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -368,12 +451,45 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument(
-        "--scheduler-policy", default="fcfs", choices=["fcfs", "priority", "no_chunk", "static"]
+        "--scheduler-policy", default="fcfs", choices=["fcfs", "priority", "no_chunk", "static", "slo"]
     )
     serve.add_argument("--no-prefix-caching", action="store_true")
+    _add_slo_flags(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+
+
+def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of the `slo` scheduler policy (service_tier / slo on requests pick class and targets)."""
+    g = parser.add_argument_group("SLO scheduling (--scheduler-policy slo)")
+    g.add_argument("--interactive-ttft-ms", type=float, default=1000.0,
+                   help="default time-to-first-token target of interactive requests (0: none)")  # fmt: skip
+    g.add_argument("--interactive-tbt-ms", type=float, default=100.0,
+                   help="default time-between-tokens target of interactive requests (0: none)")  # fmt: skip
+    g.add_argument("--admission-control", default="off", choices=["off", "downgrade", "reject"],
+                   help="a chat whose TTFT cannot be met: run it as batch, or refuse it with 429")  # fmt: skip
+    g.add_argument("--step-time-model", default=None,
+                   help="step-time model JSON written by `mmserve bench profile`")  # fmt: skip
+    g.add_argument("--max-batch-decode-skips", type=int, default=4,
+                   help="a batch decode waits at most this many steps in a row")  # fmt: skip
+    g.add_argument("--batch-min-share", type=float, default=0.1,
+                   help="share of each step kept for batch work when there is some")  # fmt: skip
+    g.add_argument("--step-time-headroom", type=float, default=0.1,
+                   help="steps are planned to (1 - this) x the tightest interactive TBT target")  # fmt: skip
+
+
+def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The EngineArgs of _add_slo_flags; a target of 0 means none."""
+    return {
+        "interactive_ttft_ms": args.interactive_ttft_ms or None,
+        "interactive_tbt_ms": args.interactive_tbt_ms or None,
+        "admission_control": args.admission_control,
+        "step_time_model": args.step_time_model,
+        "max_batch_decode_skips": args.max_batch_decode_skips,
+        "batch_min_share": args.batch_min_share,
+        "step_time_headroom": args.step_time_headroom,
+    }
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -397,6 +513,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         scheduler_policy=args.scheduler_policy,
         enable_prefix_caching=not args.no_prefix_caching,
+        **_slo_engine_kwargs(args),
     )
     settings = ServerSettings(
         api_key=args.api_key or None,
@@ -406,8 +523,11 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_media_domains=tuple(d.strip() for d in args.allowed_media_domains.split(",") if d.strip()),
         max_image_upload_bytes=args.max_image_upload_bytes,
         max_video_upload_bytes=args.max_video_upload_bytes,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        cors_allow_origins=tuple(o.strip() for o in args.cors_allow_origins.split(",") if o.strip()),
+        shutdown_timeout_s=args.shutdown_timeout_s,
     )
-    run_server(
+    return run_server(
         engine_args,
         settings,
         host=args.host,
@@ -416,7 +536,6 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         media_limits=media_limits,
     )
-    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -108,6 +108,16 @@ class EngineArgs:
     max_num_encoder_tokens: int | None = None  # None: max_num_batched_tokens
     encoder_cache_size: int | None = None  # None: 4x the encoder budget, at least 8192
     chunk_encoder: bool = True  # False: encode each media item whole, as vLLM does
+    # -- the `slo` policy (scheduler_policy="slo"; the others ignore these) --------------------------
+    # Server defaults of the interactive class; a request's own `slo` overrides them field by field.
+    # None: no target of that kind. Batch requests have no default target.
+    interactive_ttft_ms: float | None = DEFAULT_INTERACTIVE_SLO.ttft_ms
+    interactive_tbt_ms: float | None = DEFAULT_INTERACTIVE_SLO.tbt_ms
+    admission_control: str = "off"  # "downgrade" | "reject" (429) a chat whose TTFT cannot be met
+    step_time_model: str | None = None  # JSON written by `mmserve bench profile`; None: built-in guess
+    max_batch_decode_skips: int = SchedulerConfig.max_batch_decode_skips
+    batch_min_share: float = SchedulerConfig.batch_min_share
+    step_time_headroom: float = SchedulerConfig.step_time_headroom  # steps planned to (1 - this) x TBT
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -121,13 +131,38 @@ class EngineArgs:
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        # Fail on bad scheduler / cache values before any weights load.
-        SchedulerConfig(
+        # Fail on bad scheduler / cache values (and an unreadable step-time model) before any weights load.
+        self.scheduler_config(SchedulerConfig.max_model_len)
+        if self.step_time_model is not None:
+            _check_step_time_model(self.step_time_model)
+        CacheConfig(self.block_size, self.num_kv_blocks or 1, self.enable_prefix_caching)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's configuration, once `max_model_len` is resolved against the checkpoint."""
+        return SchedulerConfig(
             self.max_num_batched_tokens,
             self.max_num_seqs,
+            max_model_len,
             policy=self.scheduler_policy,
             max_num_encoder_tokens=self.max_num_encoder_tokens,
             encoder_cache_size=self.encoder_cache_size,
             chunk_encoder=self.chunk_encoder,
+            interactive_slo=SLO(self.interactive_ttft_ms, self.interactive_tbt_ms),
+            max_batch_decode_skips=self.max_batch_decode_skips,
+            batch_min_share=self.batch_min_share,
+            step_time_headroom=self.step_time_headroom,
+            admission_control=self.admission_control,
+            step_time_model=self.step_time_model,
         )
-        CacheConfig(self.block_size, self.num_kv_blocks or 1, self.enable_prefix_caching)
+
+
+def _check_step_time_model(path: str) -> None:
+    """A missing or malformed calibration file is a start-up error, not a crash on the first request."""
+    from mmserve.scheduler.step_time import StepTimeModel  # torch-free, but only needed here
+
+    try:
+        StepTimeModel.load(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise InvalidRequestError(
+            f"step_time_model: cannot load {path!r} ({type(exc).__name__}: {exc})", param="step_time_model"
+        ) from None

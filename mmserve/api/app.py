@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Scope
 
-from mmserve.api.body_limit import BodySizeLimit
+from mmserve.api import log_safety
+from mmserve.api.body_limit import BodySizeLimit, HeaderSizeLimit
 from mmserve.api.errors import APIError, install_error_handlers
+from mmserve.api.limits import ConcurrencyLimiter
 from mmserve.api.media_refs import MediaResolver
 from mmserve.api.media_store import MediaStore
 from mmserve.api.metrics import MetricsExporter
@@ -38,6 +41,7 @@ class ServerState:
     resolver: MediaResolver
     metrics: MetricsExporter
     started: int  # unix time
+    limiter: ConcurrencyLimiter  # requests in progress per API key
 
 
 def get_state(request: Request) -> ServerState:
@@ -69,6 +73,7 @@ def create_app(
     from mmserve.api import chat_ws, files, openai_routes, page  # routers import get_state from here
 
     settings = settings or ServerSettings()
+    log_safety.install()  # no ?api_key= in uvicorn's handshake log lines
     model_name = settings.served_model_name or engine.model_name
     mm = engine.processor.mm_processor
     limits = mm.limits if mm is not None else DEFAULT_LIMITS
@@ -80,7 +85,7 @@ def create_app(
     metrics = MetricsExporter(engine.stats, model_name)
     engine.stat_loggers.append(metrics)
     state = ServerState(engine, settings, model_name, store, MediaResolver(store, settings), metrics,
-                        int(time.time()))  # fmt: skip
+                        int(time.time()), ConcurrencyLimiter(settings.max_concurrent_requests_per_key))  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,11 +112,21 @@ def create_app(
         return settings.max_body_bytes
 
     app.add_middleware(BodySizeLimit, limit_for=body_limit)
+    app.add_middleware(HeaderSizeLimit, limit=settings.max_header_bytes)
+    if settings.cors_allow_origins:  # off by default: no Access-Control-* header is ever sent
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_allow_origins),
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
             return APIError(503, "the engine is not running", code="engine_unavailable").response()
+        if not engine.is_accepting:
+            return APIError(503, "the server is shutting down", code="shutting_down").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -57,3 +57,26 @@ class BodySizeLimit:
             if started:
                 raise
             await APIError(413, str(exc.detail), code="body_too_large").response()(scope, receive, send)
+
+
+class HeaderSizeLimit:
+    """Caps the request line and headers together (h11's own cap only bites on a head that arrives in
+    pieces): 431 for HTTP, a refused handshake for WebSocket."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        size += sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ()))  # ": " CRLF
+        if size <= self.limit:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1009})
+            return
+        error = APIError(431, f"the request headers exceed {self.limit} bytes", code="headers_too_large")
+        await error.response()(scope, receive, send)

@@ -5,7 +5,9 @@ Each response is one task; cancelling it closes its engine stream (abort); closi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import uuid
 from contextlib import aclosing
 from typing import Any
@@ -16,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from mmserve.api import convert
 from mmserve.api.app import ServerState, check_api_key
 from mmserve.api.errors import APIError, from_engine_error, validation_error
+from mmserve.api.limits import bearer, key_id
 from mmserve.api.protocol import (
     ClientEvent,
     ResponseCancelEvent,
@@ -26,6 +29,7 @@ from mmserve.api.protocol import (
 )
 from mmserve.engine.output_processor import RequestOutput
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 _client_event: TypeAdapter[ResponseCreateEvent | ResponseCancelEvent] = TypeAdapter(ClientEvent)
 _STATUS: dict[str | None, ResponseStatus] = {
@@ -36,23 +40,51 @@ _STATUS: dict[str | None, ResponseStatus] = {
 
 
 class _Session:
-    def __init__(self, ws: WebSocket, state: ServerState) -> None:
-        self.ws, self.state = ws, state
+    """One socket. Events go through a bounded outbox drained by one writer task, so a response task
+    never waits on the peer: a client that stops reading fills the outbox (or stalls one frame past
+    `ws_send_timeout_s`) and is dropped, its responses aborted, without slowing any other socket."""
+
+    def __init__(self, ws: WebSocket, state: ServerState, key: str) -> None:
+        self.ws, self.state, self.key = ws, state, key
         self.id = f"sess_{uuid.uuid4().hex}"
         self.responses: dict[str, asyncio.Task[None]] = {}
         self.started: set[str] = set()  # responses whose task has begun (so task.cancel() reaches it)
         self.cancel_requested: set[str] = set()  # cancelled before their task began
-        self._send_lock = asyncio.Lock()  # one frame at a time from many response tasks
+        self._outbox: asyncio.Queue[str] = asyncio.Queue(maxsize=state.settings.ws_send_queue_events)
+        self.gone = asyncio.Event()  # the peer is gone or was dropped: the socket handler ends
         self.closed = False
+        self.drop_reason: str | None = None
+        self._writer = asyncio.create_task(self._write_loop())
 
     async def send(self, event: dict[str, Any]) -> None:
         if self.closed:
             return
-        async with self._send_lock:
+        try:
+            self._outbox.put_nowait(json.dumps(event, separators=(",", ":")))
+        except asyncio.QueueFull:
+            self.drop(f"{self._outbox.maxsize} events are waiting to be sent (ws_send_queue_events)")
+
+    def drop(self, reason: str) -> None:
+        """Give up on a peer that does not read; the handler then cancels every response (abort)."""
+        if not self.closed:
+            logger.warning("dropping WebSocket session %s: %s", self.id, reason)
+            self.drop_reason = reason
+        self.closed = True
+        self.gone.set()
+
+    async def _write_loop(self) -> None:
+        timeout = self.state.settings.ws_send_timeout_s
+        while True:
+            text = await self._outbox.get()
             try:
-                await self.ws.send_text(json.dumps(event, separators=(",", ":")))
-            except Exception:  # the peer is gone; the receive loop notices and cleans up
+                await asyncio.wait_for(self.ws.send_text(text), timeout)
+            except TimeoutError:
+                self.drop(f"a frame waited {timeout} s to be sent (ws_send_timeout_s)")
+                return
+            except Exception:  # the peer is gone
                 self.closed = True
+                self.gone.set()
+                return
 
     async def error(self, err: APIError, event_id: str | None = None, response_id: str | None = None) -> None:
         event: dict[str, Any] = {"type": "error", "error": err.info().model_dump()}
@@ -97,7 +129,9 @@ class _Session:
         self.started.add(response_id)
         out: RequestOutput | None = None
         text = ""
+        release = None
         try:
+            release = state.limiter.acquire(self.key)  # 429 error event if the key has no slot left
             created = ResponseObject(id=response_id, status="in_progress")
             await self.send(response_event("response.created", created))
             if response_id in self.cancel_requested:
@@ -121,6 +155,8 @@ class _Session:
             await self.error(err, event.event_id, response_id)
             await self._done(response_id, "failed", text, out, err)
         finally:
+            if release is not None:
+                release()
             self.responses.pop(response_id, None)
             self.started.discard(response_id)
             self.cancel_requested.discard(response_id)
@@ -135,6 +171,7 @@ class _Session:
             usage=convert.usage(out) if out else None,
             metrics=convert.response_metrics(out) if out else None,
             error=err.info() if err else None,
+            service_tier=convert.service_tier(None, out) if out else None,  # "flex": served as batch
         )  # fmt: skip
         await self.send(response_event("response.done", response))
 
@@ -144,6 +181,36 @@ class _Session:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._writer.cancel()
+        await asyncio.gather(self._writer, return_exceptions=True)
+
+    async def receive_loop(self) -> None:
+        """Handles client events until the peer leaves or stays silent for `ws_idle_timeout_s` with no
+        response in progress."""
+        idle = self.state.settings.ws_idle_timeout_s
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(self.ws.receive(), idle)
+                except TimeoutError:
+                    if self.responses:
+                        continue  # the client is waiting for output, not idle
+                    logger.info("closing idle WebSocket session %s", self.id)
+                    self.closed = True
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.ws.close(code=1000, reason="idle timeout"), 1.0)
+                    return
+                if message["type"] == "websocket.disconnect":
+                    return
+                text = message.get("text")
+                if text is None:
+                    data = message.get("bytes") or b""
+                    text = data.decode("utf-8", errors="replace")
+                await self.handle(text)
+        except (WebSocketDisconnect, RuntimeError):  # RuntimeError: receive after the socket closed
+            return
+        finally:
+            self.gone.set()
 
 
 @router.websocket("/v1/chat/ws")
@@ -160,22 +227,19 @@ async def chat_ws(ws: WebSocket) -> None:
             await ws.close(code=1008, reason="missing or invalid API key")
         return
     await ws.accept()
-    session = _Session(ws, state)
+    key = key_id(bearer(ws.headers.get("authorization"), ws.query_params.get("api_key")))
+    session = _Session(ws, state, key)
     await session.send({"type": "session.created", "session": {"id": session.id, "model": state.model_name}})
+    reader = asyncio.create_task(session.receive_loop())
     try:
-        while True:
-            message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
-                break
-            text = message.get("text")
-            if text is None:
-                data = message.get("bytes") or b""
-                text = data.decode("utf-8", errors="replace")
-            await session.handle(text)
-    except WebSocketDisconnect:
-        pass
+        await session.gone.wait()  # the peer left, went idle, or was dropped for not reading
     finally:
-        await session.close()
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await session.close()  # every response cancelled: their engine requests are aborted
+        if session.drop_reason is not None:  # best effort: a peer that does not read may never take it
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(code=1008, reason="not reading"), 1.0)
 
 
 def _event_id(text: str) -> str | None:

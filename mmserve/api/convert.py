@@ -12,12 +12,13 @@ from mmserve.api.protocol import (
     ChoiceLogprobs,
     ResponseMetrics,
     SamplingFields,
+    ServiceTier,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
 from mmserve.engine.output_processor import RequestOutput
-from mmserve.request import SamplingParams
+from mmserve.request import SamplingParams, ServiceClass
 
 
 def sampling_params(fields: SamplingFields, max_model_len: int) -> SamplingParams:
@@ -39,7 +40,25 @@ def sampling_params(fields: SamplingFields, max_model_len: int) -> SamplingParam
         ignore_eos=fields.ignore_eos,
         logprobs=logprobs,
         priority=fields.priority,
+        service_class=service_class(fields.service_tier),
+        slo=fields.slo.model_dump() if fields.slo is not None else None,
     )
+
+
+def service_class(tier: ServiceTier | None) -> ServiceClass:
+    """OpenAI's service tier -> mmserve's class: "flex" is batch work; no tier, "auto", "default" and
+    "priority" are a person waiting (interactive)."""
+    return ServiceClass.BATCH if tier == "flex" else ServiceClass.INTERACTIVE
+
+
+def service_tier(requested: ServiceTier | None, out: RequestOutput | None) -> ServiceTier:
+    """The tier to echo: the class the engine actually served the request in (admission control may have
+    downgraded an interactive request to batch -> "flex"); an interactive request echoes the tier it
+    asked for, "default" for none or "auto" (as OpenAI does)."""
+    served = out.service_class if out is not None else service_class(requested)
+    if served == ServiceClass.BATCH:
+        return "flex"
+    return "priority" if requested == "priority" else "default"
 
 
 def usage(out: RequestOutput) -> Usage:

@@ -15,12 +15,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmserve.api.protocol import ErrorInfo, ErrorResponse
 from mmserve.engine.async_engine import QueueFullError
+from mmserve.engine.faults import RequestFailedError
 from mmserve.errors import EngineDeadError, InvalidRequestError, MMServeError, PromptTooLongError
+from mmserve.scheduler.slo import SloInfeasibleError
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error",
+          413: "request_too_large", 431: "request_too_large", 415: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable"}  # fmt: skip
 
 # Limit names in InvalidRequestError messages (see encoders/media.py) -> a specific error code.
@@ -71,9 +73,13 @@ def from_engine_error(exc: BaseException) -> APIError:
         message = str(exc)
         code = next((c for limit, c in _LIMIT_CODES if limit in message), "invalid_request_error")
         return APIError(400, message, code=code, param=exc.param)
+    if isinstance(exc, SloInfeasibleError):  # admission control "reject": its TTFT cannot be met now
+        return APIError(429, str(exc), code="slo_infeasible", param="slo", headers={"Retry-After": "1"})
     if isinstance(exc, QueueFullError):
         retry = str(max(1, math.ceil(exc.retry_after)))
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry})
+    if isinstance(exc, RequestFailedError):  # an engine fault that hit this request only
+        return APIError(500, str(exc), type="server_error", code="request_failed")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, MMServeError):

@@ -56,8 +56,10 @@ class MediaStore:
         """`decoder`: the worker pool that validates uploads (default: a pool of its own, sized by `limits`)."""
         self.root = Path(data_dir)
         self.blobs, self.files, self.tmp = self.root / "blobs", self.root / "files", self.root / "tmp"
-        for d in (self.blobs, self.files, self.tmp):
-            d.mkdir(parents=True, exist_ok=True)
+        # Private to the server's user: uploads are other people's images (0700 dirs, 0600 files).
+        for d in (self.root, self.blobs, self.files, self.tmp):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)  # mkdir's mode is masked by the umask, and an existing dir keeps its own
         self.max_bytes = {"image": max_image_bytes, "video": max_video_bytes}
         self.limits = replace(limits, max_image_bytes=max_image_bytes, max_video_bytes=max_video_bytes)
         self.decoder = decoder or DecodePool.for_limits(limits)
@@ -69,7 +71,7 @@ class MediaStore:
         digest, size, kind = hashlib.sha256(), 0, None
         head = b""
         try:
-            with open(tmp, "wb") as out:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
                 async for chunk in chunks:
                     if kind is None:
                         head += chunk
@@ -163,7 +165,8 @@ class MediaStore:
     def _write_meta(self, obj: FileObject) -> None:
         path = self.files / f"{obj.id}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(obj.model_dump_json())
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            out.write(obj.model_dump_json())
         os.replace(tmp, path)
 
 

@@ -1,5 +1,8 @@
 """Prometheus exporter (vLLM's names, `mmserve:` prefix, per-app registry): a `StatLogger` feeds latency and
-token metrics; scheduler gauges/counters are read at scrape time, so they are current even when idle."""
+token metrics; scheduler gauges/counters are read at scrape time, so they are current even when idle.
+
+Per service class (label `service_class`: interactive | batch, the class a request was served in): TTFT and
+TPOT histograms, SLO attainment per target kind, good requests (goodput), preemptions, throttled batch decodes."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mmserve.engine.core import StepRecord
-from mmserve.engine.output_processor import RequestOutput
+from mmserve.engine.output_processor import RequestMetrics, RequestOutput
+from mmserve.request import ServiceClass
 from mmserve.scheduler.scheduler import SchedulerStats
 
 P = "mmserve:"
@@ -51,6 +55,15 @@ class _StatsCollector(Collector):
         yield counter(
             "encoder_tokens", "Embedding tokens the vision encoder computed.", s.num_encoder_tokens_computed
         )
+        by_class = CounterMetricFamily(P + "num_preemptions_by_class", "Preemptions by recompute, by the "
+                                       "preempted request's class.", labels=[*labels, "service_class"])  # fmt: skip
+        by_class.add_metric([self.model, "interactive"], s.num_preemptions_interactive)
+        by_class.add_metric([self.model, "batch"], s.num_preemptions_batch)
+        yield by_class
+        yield counter("throttled_batch_decodes", "Steps a running batch decode was skipped to protect "
+                      "interactive latency (slo policy).", s.num_throttled_batch_decodes)  # fmt: skip
+        yield counter("downgraded_requests", "Interactive requests admission control ran as batch "
+                      "(slo policy).", s.num_downgraded_requests)  # fmt: skip
 
 
 class MetricsExporter:
@@ -66,6 +79,20 @@ class MetricsExporter:
                              registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", lbl,
                              registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        cls = [*lbl, "service_class"]
+        self.class_ttft = Histogram(P + "time_to_first_token_by_class_seconds", "Arrival to first token, by class.",
+                                    cls, registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Per finished request with >= 2 tokens: "
+                              "(finish - first token) / (tokens - 1), by class.", cls, registry=r,
+                              buckets=_LATENCY_BUCKETS)  # fmt: skip
+        # One count per finished request and target kind it has (its own SLO over its class's defaults).
+        # TBT is judged by the request's TPOT, as vLLM's goodput does.
+        self.slo_attainment = Counter(P + "slo_attainment", "Finished requests by target kind and whether "
+                                      "they met it.", [*cls, "slo", "outcome"], registry=r)  # fmt: skip
+        self.good_requests = Counter(P + "good_requests", "Finished requests that met every target they had "
+                                     "(goodput, vLLM's definition; rate() is req/s).", cls, registry=r)  # fmt: skip
+        self.finished_by_class = Counter(P + "finished_requests_by_class", "Requests that finished (stop or "
+                                         "length), by class.", cls, registry=r)  # fmt: skip
         self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", lbl,
                                registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
         self.prompt_tokens = Counter(
@@ -110,6 +137,37 @@ class MetricsExporter:
                 self.ttft.labels(self.model).observe(m.first_token_time - m.arrival_time)
             if m.scheduled_time is not None:
                 self.queue.labels(self.model).observe(m.scheduled_time - m.arrival_time)
+            if output.finish_reason in ("stop", "length"):  # aborted requests are not judged
+                self._observe_class(output, m, now)
+
+    def _observe_class(self, output: RequestOutput, m: RequestMetrics, now: float) -> None:
+        """Per-class latency and SLO attainment of one finished request."""
+        name = "interactive" if output.service_class == ServiceClass.INTERACTIVE else "batch"
+        self.finished_by_class.labels(self.model, name).inc()
+        if m.first_token_time is None:
+            return
+        ttft = m.first_token_time - m.arrival_time
+        finish = m.finish_time or now
+        self.class_ttft.labels(self.model, name).observe(ttft)
+        n = len(output.token_ids)
+        tpot = (finish - m.first_token_time) / (n - 1) if n >= 2 else 0.0  # one token: 0, as in vLLM
+        if n >= 2:
+            self.tpot.labels(self.model, name).observe(tpot)
+        slo = output.slo
+        checks = {
+            "ttft": (slo.ttft_ms, ttft),
+            "tbt": (slo.tbt_ms, tpot),
+            "deadline": (slo.deadline_ms, finish - m.arrival_time),
+        }
+        good = True
+        for kind, (target_ms, value_s) in checks.items():
+            if target_ms is None:
+                continue
+            met = value_s * 1e3 <= target_ms
+            good &= met
+            self.slo_attainment.labels(self.model, name, kind, "met" if met else "missed").inc()
+        if good:
+            self.good_requests.labels(self.model, name).inc()
 
     def on_step(self, stats: SchedulerStats, step: StepRecord | None) -> None:
         if step is not None and step.encoder_duration_s > 0:

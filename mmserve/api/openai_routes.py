@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from mmserve.api import convert
 from mmserve.api.app import ServerState, State
 from mmserve.api.errors import APIError, from_engine_error
+from mmserve.api.limits import bearer, key_id, release_at_end
 from mmserve.api.protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -25,6 +26,7 @@ from mmserve.api.protocol import (
     ChunkChoice,
     Delta,
     ErrorResponse,
+    ServiceTier,
 )
 from mmserve.engine.output_processor import RequestOutput
 
@@ -36,10 +38,16 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: State
 ) -> ChatCompletion | StreamingResponse:
     engine = state.engine
-    messages, counts = await state.resolver.resolve(body.messages)
-    params = convert.sampling_params(body, engine.max_model_len)
+    # One slot of this key's concurrency limit from here until the response ends (429 if none is left).
+    release = state.limiter.acquire(key_id(bearer(request.headers.get("authorization"))))
+    try:
+        messages, counts = await state.resolver.resolve(body.messages)
+        params = convert.sampling_params(body, engine.max_model_len)
+    except BaseException:
+        release()
+        raise
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = engine.chat(messages, params, request_id)
+    stream = release_at_end(engine.chat(messages, params, request_id), release)
     try:
         first = await anext(stream)  # processing errors surface here, before any byte is sent
     except StopAsyncIteration:  # not expected: every stream ends with a finished output
@@ -51,7 +59,8 @@ async def chat_completions(
     top_n = body.top_logprobs or 0
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse(state, stream, first, request_id, include_usage, top_n)
+        tier = convert.service_tier(body.service_tier, first)  # the class it is served in, known from the first output
+        events = _sse(state, stream, first, request_id, include_usage, top_n, tier)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -67,6 +76,7 @@ async def chat_completions(
             )
         ],
         usage=convert.usage(out),
+        service_tier=convert.service_tier(body.service_tier, out),
     )
 
 
@@ -106,12 +116,14 @@ async def _sse(
     request_id: str,
     include_usage: bool,
     top_n: int,
+    service_tier: ServiceTier | None = None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     tokenizer = state.engine.tokenizer
 
     def chunk(choices: list[ChunkChoice], usage: object = None) -> str:
-        obj = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices)
+        obj = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
+                                  service_tier=service_tier)  # fmt: skip
         data = obj.model_dump(exclude_none=True)
         if include_usage:
             data["usage"] = usage  # OpenAI: null on every chunk but the usage one

@@ -57,6 +57,22 @@ class ChatMessage(BaseModel):
 # --------------------------------------------------------------------------------- sampling fields
 
 
+class SLOSpec(BaseModel):
+    """A request's own latency targets in milliseconds (mmserve extension); each given one overrides the
+    server's default for the request's class. Unknown keys are refused: a misspelt target would
+    otherwise be dropped without a word."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(default=None, gt=0.0, lt=1e9)  # arrival -> first token
+    tbt_ms: float | None = Field(default=None, gt=0.0, lt=1e9)  # between two output tokens
+    deadline_ms: float | None = Field(default=None, gt=0.0, lt=1e9)  # arrival -> last token
+
+
+# OpenAI's service tiers. "flex" -> the batch class; the others (and no tier) -> interactive.
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+
+
 class SamplingFields(BaseModel):
     """The sampling knobs shared by chat completions and WebSocket `response.create`."""
 
@@ -72,6 +88,9 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: off
     ignore_eos: bool = False
     priority: int = 0  # smaller first under --scheduler-policy priority
+    # Service class and SLO (acted on by --scheduler-policy slo): OpenAI's field, and mmserve's targets.
+    service_tier: ServiceTier | None = None
+    slo: SLOSpec | None = None
 
 
 class StreamOptions(BaseModel):
@@ -131,6 +150,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+    service_tier: ServiceTier | None = None  # the tier the request was served in ("flex": batch class)
 
 
 class Delta(BaseModel):
@@ -152,6 +172,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    service_tier: ServiceTier | None = None  # on every chunk, as OpenAI does
 
 
 # --------------------------------------------------------------------------------------- models, files
@@ -252,6 +273,7 @@ class ResponseObject(BaseModel):
     usage: Usage | None = None
     metrics: ResponseMetrics | None = None
     error: ErrorInfo | None = None  # set when status is "failed"
+    service_tier: ServiceTier | None = None  # on response.done: the tier it was served in
 
 
 def response_event(kind: str, response: ResponseObject) -> dict[str, Any]:

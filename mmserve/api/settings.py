@@ -26,7 +26,16 @@ class ServerSettings(BaseModel):
     allowed_media_domains: tuple[str, ...] = ()  # hosts chat may fetch media from ("*.example.com" too)
     remote_media_timeout_s: float = Field(default=10.0, gt=0)  # per URL, all redirects included
     allow_private_media_addresses: bool = False  # let allow-listed hosts resolve to private IPs (tests, LANs)
-    shutdown_timeout_s: float = Field(default=10.0, ge=0)
+    shutdown_timeout_s: float = Field(default=10.0, ge=0)  # SIGTERM: running requests may finish this long
+    # Backpressure and connection limits (see docs/reliability.md).
+    max_concurrent_requests_per_key: int | None = Field(default=None, gt=0)  # None: no limit; beyond: 429
+    max_header_bytes: int = Field(default=16 * 1024, gt=0)  # request line + headers; beyond: 400, closed
+    keep_alive_timeout_s: int = Field(default=5, gt=0)  # an idle HTTP keep-alive connection is closed
+    ws_ping_interval_s: float = Field(default=20.0, gt=0)  # and as long to answer a ping, or it is closed
+    ws_idle_timeout_s: float = Field(default=300.0, gt=0)  # no message and no response running: closed
+    ws_send_queue_events: int = Field(default=1024, gt=0)  # events queued for a socket; beyond: dropped
+    ws_send_timeout_s: float = Field(default=30.0, gt=0)  # one frame may wait this long to be sent
+    cors_allow_origins: tuple[str, ...] = ()  # () : no CORS headers at all (browsers refuse cross-origin)
 
     @property
     def max_upload_bytes(self) -> int:

@@ -119,3 +119,31 @@ def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
+
+
+def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
+    """slo-mix: interactive SLO attainment, chat goodput and batch throughput against chat load, one
+    line per policy (one small PNG, three panels)."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.0))
+    panels = (
+        ("chat SLO attainment (%)", lambda m: 100 * (m["interactive"]["slo_attainment"] or 0.0)),
+        ("chat goodput (req/s)", lambda m: m["interactive"]["goodput_rps"]),
+        ("batch throughput (tok/s)", lambda m: m["batch"]["throughput_tok_s"]),
+    )
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for policy, by_load in report["results"].items():
+            loads = sorted(by_load, key=float)
+            ax.plot([float(x) for x in loads], [value(by_load[x]) for x in loads], marker="o", label=policy)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("chat arrivals (req/s)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 105)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "slo_mix.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [path]

@@ -14,7 +14,7 @@ import random
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ _WORDS = (
 class BenchRequest:
     messages: list[dict]
     output_len: int
+    extra: dict[str, Any] = field(default_factory=dict)  # more body fields (e.g. service_tier, priority)
 
 
 def _random_text(rng: random.Random, n: int, tokenizer: Any | None) -> str:
@@ -90,7 +91,8 @@ def build_requests(
 
 
 def _body(req: BenchRequest) -> dict:
-    return {"messages": req.messages, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True}
+    return {"messages": req.messages, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
+            **req.extra}  # fmt: skip
 
 
 # -- transports ------------------------------------------------------------------------------------

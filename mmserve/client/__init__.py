@@ -32,7 +32,9 @@ from mmserve.client.types import (
     FileList,
     FileObject,
     ModelList,
+    ServiceTier,
     SessionResult,
+    SLOTargets,
     Usage,
 )
 
@@ -61,6 +63,8 @@ __all__ = [
     "PermissionDeniedError",
     "RateLimitError",
     "RequestTooLargeError",
+    "SLOTargets",
+    "ServiceTier",
     "SessionResponse",
     "SessionResult",
     "Stream",

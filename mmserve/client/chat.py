@@ -13,7 +13,7 @@ from mmserve.client._base import NOT_GIVEN, AsyncTransport, SyncTransport, Timeo
 from mmserve.client.async_session import AsyncChatSession
 from mmserve.client.session import ChatSession
 from mmserve.client.streaming import AsyncStream, Stream
-from mmserve.client.types import ChatCompletion
+from mmserve.client.types import ChatCompletion, ServiceTier, SLOTargets
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -35,6 +35,9 @@ class ChatParams(TypedDict, total=False):
     top_k: int | None  # mmserve extension
     ignore_eos: bool | None  # mmserve extension
     priority: int | None  # mmserve extension (smaller runs first under the priority policy)
+    # OpenAI's tier: "flex" runs as batch work, anything else as interactive (under the slo policy).
+    service_tier: ServiceTier | None
+    slo: SLOTargets | Mapping[str, float] | None  # mmserve extension: this request's own latency targets
     stream_options: Mapping[str, Any] | None  # e.g. {"include_usage": True}
     extra_body: Mapping[str, Any] | None  # merged into the body last (fields this SDK does not know)
     timeout: TimeoutTypes  # this call only; default: the client's

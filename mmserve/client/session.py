@@ -27,7 +27,7 @@ from mmserve.client._session_core import (
     ws_url,
 )
 from mmserve.client.errors import APIConnectionError, APIError, APITimeoutError
-from mmserve.client.types import SessionResult
+from mmserve.client.types import ServiceTier, SessionResult, SLOTargets
 
 # websockets >= 17 warns unless a directly-held sync connection opts into `legacy=True`; older ones lack it.
 _SYNC_CONNECT_EXTRA: dict[str, Any] = (
@@ -151,13 +151,16 @@ class ChatSession(Router):
         stop: str | list[str] | None = None,
         ignore_eos: bool | None = None,
         priority: int | None = None,
+        service_tier: ServiceTier | None = None,
+        slo: SLOTargets | Mapping[str, float] | None = None,
         **extra: Any,
     ) -> SessionResponse:
         """Send `response.create`; returns at once with the response's handle."""
         handle = SessionResponse(self, id or new_id("resp"), new_id("evt"))
         params = dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=stop, ignore_eos=ignore_eos, priority=priority, **extra,
+            stop=stop, ignore_eos=ignore_eos, priority=priority,
+            service_tier=service_tier, slo=dict(slo) if slo is not None else None, **extra,
         )  # fmt: skip
         self._register(handle)
         try:

@@ -5,9 +5,21 @@ Every model allows extra fields so a newer server never breaks an older SDK.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict
+
+# OpenAI's service tiers: "flex" runs as batch work, the others as interactive (server policy `slo`).
+ServiceTier = Literal["auto", "default", "flex", "priority"]
+
+
+class SLOTargets(TypedDict, total=False):
+    """A request's own latency targets in milliseconds (mmserve extension); each overrides the server's
+    default for the request's class."""
+
+    ttft_ms: float  # arrival -> first token
+    tbt_ms: float  # between two output tokens
+    deadline_ms: float  # arrival -> last token
 
 
 class _Model(BaseModel):
@@ -56,6 +68,7 @@ class ChatCompletion(_Model):
     model: str = ""
     choices: list[Choice]
     usage: Usage | None = None
+    service_tier: str | None = None  # the tier it was served in ("flex": the batch class)
 
 
 class ChoiceDelta(_Model):
@@ -78,6 +91,7 @@ class ChatCompletionChunk(_Model):
     choices: list[ChunkChoice] = []
     # Only on the final chunk when `stream_options={"include_usage": True}` (its `choices` is empty).
     usage: Usage | None = None
+    service_tier: str | None = None  # on every chunk: the tier it is served in
 
 
 class FileObject(_Model):
@@ -136,3 +150,4 @@ class SessionResult(_Model):
     usage: Usage | None = None
     metrics: ResponseMetrics | None = None
     error: dict[str, Any] | None = None
+    service_tier: str | None = None  # the tier it was served in ("flex": the batch class)

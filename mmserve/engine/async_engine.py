@@ -3,6 +3,11 @@
 Only messages cross into the loop (add, abort, shutdown: all picklable); outputs come back through
 the event loop with `call_soon_threadsafe`. Prompt processing (templating, media decoding) runs in
 a worker thread of the caller, so a slow image never stalls the step loop or the event loop.
+
+Faults: a request the runner could not build fails alone (`RequestFailedError`); a step that fails
+on the device fails the requests it touched; any other step error fails every request in flight.
+The engine keeps serving in all three cases. If the loop itself dies, every stream gets
+`EngineDeadError` at once, `is_running` turns False and `dead` is set (the server then exits).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, Protocol
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
 from mmserve.engine.core import StepRecord
+from mmserve.engine.faults import RequestFailedError, StepFault
 from mmserve.engine.loader import load_engine
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, PromptType
@@ -87,6 +93,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = loaded.core.stats()
         self._dead: BaseException | None = None
+        self.dead = threading.Event()  # set once the loop has died (not on a clean shutdown)
+        self.num_failed_requests = 0  # failed by an engine fault (not by their own invalid input)
         self._thread = threading.Thread(target=self._run_loop, name="mmserve-engine", daemon=True)
         self._thread.start()
 
@@ -102,6 +110,21 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        """Running and not draining: new requests are taken."""
+        return self.is_running and not self._closing
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with an open output stream (accepted and not yet finished)."""
+        with self._lock:
+            return len(self._streams)
+
+    def drain(self) -> None:
+        """Stop taking new requests (they get `EngineDeadError`, a 503); running ones go on."""
+        self._closing = True
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
@@ -181,7 +204,7 @@ class AsyncEngine:
 
     def _run_loop(self) -> None:
         core = self._core
-        outputs = OutputProcessor(self.tokenizer)
+        outputs = OutputProcessor(self.tokenizer, core.scheduler_config.class_slo)
         try:
             while True:
                 # Block for messages only when idle; otherwise take what has arrived and step.
@@ -200,10 +223,23 @@ class AsyncEngine:
                     continue
                 try:
                     core_outputs = core.step()
-                except Exception as exc:  # a failed step fails the requests in it, not the engine
-                    logger.exception("engine step failed; failing the requests in flight")
-                    self._abort_all(core, outputs, MMServeError("the request failed inside the engine"), exc)
+                except StepFault as fault:  # failed on the device: the requests it touched fail
+                    logger.error("engine step failed; failing the requests of that step", exc_info=fault)
+                    self._fail_step(core, outputs, fault)
                     continue
+                except Exception as exc:  # state unknown: every request in flight fails, not the engine
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._abort_all(
+                        core, outputs, RequestFailedError("the request failed inside the engine"), exc
+                    )
+                    continue
+                failed, core.runner.last_failed = core.runner.last_failed, []
+                for f in failed:  # left out of the step by the runner: they fail alone
+                    request = core.scheduler.requests.get(f.request_id)
+                    if request is not None and request.status == RequestStatus.RUNNING:
+                        # What its KV really holds, so that freeing it unpublishes the blocks never written.
+                        request.num_computed_tokens = f.num_computed_tokens
+                    self._fail(core, outputs, f.request_id)
                 now = time.monotonic()
                 updated, stopped = outputs.process(core_outputs)
                 for request_id in stopped:
@@ -217,9 +253,45 @@ class AsyncEngine:
                 for stat_logger in self.stat_loggers:
                     stat_logger.on_step(self._stats, record)
         except BaseException as exc:  # the loop itself broke: fail everyone, refuse new work
-            logger.exception("engine loop died")
+            logger.critical("engine loop died", exc_info=exc)
             self._dead = exc
-            self._abort_all(core, outputs, EngineDeadError("the engine loop died"))
+            # Streams first: cleaning up a broken core may raise again, and nobody may hang.
+            with self._lock:
+                request_ids = list(self._streams)
+            for request_id in request_ids:
+                self._emit(request_id, EngineDeadError("the engine loop died"), last=True)
+            self.dead.set()
+
+    def _fail(self, core: Any, outputs: OutputProcessor, request_id: str) -> None:
+        """One request failed inside the engine: free everything it holds and end its stream with an error."""
+        core.abort_request(request_id)
+        self._close_output(outputs, request_id)
+        self.num_failed_requests += 1
+        self._emit(request_id, RequestFailedError("the request failed inside the engine"), last=True)
+        self._stats = core.stats()
+
+    def _close_output(self, outputs: OutputProcessor, request_id: str) -> None:
+        """Drop a failed request's output state; stat loggers see it end (as aborted), so none of
+        their per-request state outlives it."""
+        final = outputs.abort_request(request_id)
+        if final is not None:
+            now = time.monotonic()
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_output(final, now)
+
+    def _fail_step(self, core: Any, outputs: OutputProcessor, fault: StepFault) -> None:
+        """The core has reset the encoder and prefix caches. Fail the step's requests (their KV for the
+        step is indeterminate) and every request part-way into its media (its encoder entries are gone);
+        the others keep their KV, which the step never wrote, and go on."""
+        victims = set(fault.request_ids)
+        for request_id, request in core.scheduler.requests.items():
+            media_end = max(
+                (m.placeholder.offset + m.placeholder.length for m in request.mm_inputs), default=0
+            )
+            if 0 < request.num_computed_tokens < media_end:
+                victims.add(request_id)
+        for request_id in victims:
+            self._fail(core, outputs, request_id)
 
     def _handle(self, message: _Add | _Abort, core: Any, outputs: OutputProcessor) -> None:
         if isinstance(message, _Add):
@@ -251,9 +323,11 @@ class AsyncEngine:
             error.__cause__ = cause
         with self._lock:
             request_ids = list(self._streams)
+        if isinstance(error, RequestFailedError):
+            self.num_failed_requests += len(request_ids)
         for request_id in request_ids:
             core.abort_request(request_id)
-            outputs.abort_request(request_id)
+            self._close_output(outputs, request_id)
             self._emit(request_id, error, last=True)
         self._stats = core.stats()
 
@@ -272,4 +346,6 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
         metrics=out.metrics,
         new_text=out.new_text,
         new_token_ids=list(out.new_token_ids),
+        service_class=out.service_class,
+        slo=out.slo,
     )

@@ -33,6 +33,9 @@ class StepRecord:
     num_decode_tokens: int
     num_prefill_tokens: int
     num_encoder_tokens: int
+    # The rest of the step-time model's features (scheduler/step_time.py), for `mmserve bench profile`.
+    num_seqs: int = 0
+    num_context_tokens: int = 0  # sum over scheduled requests of (cached + new) tokens attended to
 
 
 class EngineCore:
@@ -48,15 +51,7 @@ class EngineCore:
             self.model_config.max_position_embeddings,
             num_blocks * args.block_size,
         )
-        self.scheduler_config = SchedulerConfig(
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-            max_model_len,
-            args.scheduler_policy,
-            args.max_num_encoder_tokens,
-            args.encoder_cache_size,
-            args.chunk_encoder,
-        )
+        self.scheduler_config: SchedulerConfig = args.scheduler_config(max_model_len)
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.runner = ModelRunner(
             args.model,
@@ -67,7 +62,9 @@ class EngineCore:
             args.block_size,
             self.hf_config,
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        # time.monotonic: the clock of Request.arrival_time (stamped by the processor) and of the
+        # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
 
     @property
     def max_model_len(self) -> int:
@@ -103,6 +100,8 @@ class EngineCore:
                 plan.num_decode_tokens,
                 plan.num_prefill_tokens,
                 plan.num_encoder_tokens,
+                len(plan.scheduled),
+                sum(s.num_computed_tokens + s.num_scheduled_tokens for s in plan.scheduled),
             )
         )
         return outputs

@@ -95,7 +95,7 @@ class LLM:
         return self.engine.stats()
 
     def _run(self, requests: list[tuple[Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
-        outputs = OutputProcessor(self.tokenizer)
+        outputs = OutputProcessor(self.tokenizer, self.engine.scheduler_config.class_slo)
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
         added = []
         try:

@@ -1,22 +1,50 @@
 """Runs one plan on the device: builds the `ForwardBatch`, owns the KV cache tensors, runs the decoder
-over all scheduled tokens (prefill chunks and decodes together), samples, and syncs with the host once."""
+over all scheduled tokens (prefill chunks and decodes together), samples, and syncs with the host once.
+
+Fault attribution: each request's inputs are built on the host before any device work; a request whose
+inputs fail to build is left out of the step (`last_failed`) and the rest runs. An exception once device
+work has begun is raised as `StepFault` naming every request of the step."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
 from mmserve.encoders.vision import VisionTower
+from mmserve.engine.faults import FaultInjector, StepFault
 from mmserve.engine.forward_batch import ForwardBatch
 from mmserve.engine.sampler import Sampler, SamplingMetadata
 from mmserve.kernels.dispatch import get_attention_backend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.loader import load_decoder_weights
 from mmserve.models.qwen2 import MRotaryEmbedding, Qwen2Decoder
-from mmserve.scheduler.output import EncoderWork, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduler.output import EncoderWork, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One scheduled request's share of the forward batch, built on the host."""
+
+    positions: list[int]  # [num_scheduled_tokens] 1-D positions (media prompt rows overwritten by mrope)
+    mrope: tuple[int, object, int] | None  # (number of prompt rows, [3, prompt] positions, from) or None
+    slots: list[int]  # [num_scheduled_tokens] KV slot of each token
+
+
+@dataclass(frozen=True)
+class FailedRequest:
+    """A request left out of a step because its inputs could not be built."""
+
+    request_id: str
+    num_computed_tokens: int  # before the step: what its KV really holds
+    error: BaseException
 
 
 class ModelRunner:
@@ -49,6 +77,9 @@ class ModelRunner:
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
         self.vision = VisionTower(hf_config, model_dir, device, dtype) if has_vision else None
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}  # (mm_hash, group) -> [tokens, hidden]
+        self.faults = FaultInjector.from_env()  # test hook; inert unless armed
+        # Requests the last execute() left out (their inputs failed to build); the engine fails them.
+        self.last_failed: list[FailedRequest] = []
 
     @staticmethod
     def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -56,8 +87,58 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the plan minus the requests whose inputs fail to build (see `last_failed`). Raises
+        `StepFault` if the step fails after device work began."""
         for key in plan.freed_encoder_keys:
             self.encoder_cache.pop(key, None)
+        rows, self.last_failed = self._build_rows(plan)
+        if self.last_failed:
+            failed = {f.request_id for f in self.last_failed}
+            scheduled = tuple(s for s in plan.scheduled if s.request_id not in failed)
+            # The encoder work stays: it is per media item, and the scheduler already counts its
+            # entries as cached (other requests may share them).
+            plan = dataclasses.replace(
+                plan, scheduled=scheduled, num_scheduled_tokens=sum(s.num_scheduled_tokens for s in scheduled)
+            )
+        try:
+            self.faults.check_step()
+            return self._execute(plan, rows)
+        except Exception as exc:
+            touched = {s.request_id for s in plan.scheduled}
+            raise StepFault(frozenset(touched), exc) from exc
+
+    def _build_rows(self, plan: SchedulerOutput) -> tuple[dict[str, _Rows], list[FailedRequest]]:
+        """Each request's rows, built alone so that an error is that request's. A request whose prefill
+        shares a block that a failed request was to write in this step fails with it (it would read KV
+        that is never written)."""
+        rows: dict[str, _Rows] = {}
+        failed: list[FailedRequest] = []
+        for s in plan.scheduled:
+            try:
+                self.faults.check_request(s.request_id)
+                rows[s.request_id] = self._rows(s)
+            except Exception as exc:  # attributed to this request; the engine reports it
+                failed.append(FailedRequest(s.request_id, s.num_computed_tokens, exc))
+        if failed:
+            bs = self.block_size
+            unwritten = {
+                b
+                for s in plan.scheduled
+                if s.request_id in {f.request_id for f in failed}
+                for b in s.block_ids[
+                    s.num_computed_tokens // bs : -(-(s.num_computed_tokens + s.num_scheduled_tokens) // bs)
+                ]
+            }
+            for s in plan.scheduled:
+                if s.request_id in rows and unwritten.intersection(s.block_ids):
+                    del rows[s.request_id]
+                    error = RuntimeError("shares KV blocks with a request that failed in the same step")
+                    failed.append(FailedRequest(s.request_id, s.num_computed_tokens, error))
+            for f in failed:
+                logger.error("request %s failed while building its inputs", f.request_id, exc_info=f.error)
+        return rows, failed
+
+    def _execute(self, plan: SchedulerOutput, rows: dict[str, _Rows]) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._run_encoder(plan.encoder_work)
         if plan.encoder_work and self.device.type == "cuda":
@@ -65,7 +146,7 @@ class ModelRunner:
         self.last_encoder_duration_s = time.perf_counter() - start if plan.encoder_work else 0.0
         if plan.is_empty:  # only encoder work (its requests were preempted after planning it)
             return ModelRunnerOutput((), (), ())
-        batch = self._prepare(plan)
+        batch = self._prepare(plan, rows)
         hidden = self.model(batch, self.kv_caches, self._embeddings(plan, batch))  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
         sampled = [s for s in plan.scheduled if s.sample]
@@ -136,8 +217,20 @@ class ModelRunner:
             row += s.num_scheduled_tokens
         return embeds
 
-    def _prepare(self, plan: SchedulerOutput) -> ForwardBatch:
+    def _rows(self, s: ScheduledRequest) -> _Rows:
         bs = self.block_size
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
+        if len(s.token_ids) != end - start or -(-end // bs) > len(s.block_ids):
+            raise ValueError(f"request {s.request_id}: the plan does not cover its tokens")
+        # 1-D positions; media prompt tokens are overwritten with their 3-D positions below.
+        positions = list(range(start + s.mrope_delta, end + s.mrope_delta))
+        mrope = None
+        if s.mrope_positions is not None and start < s.num_prompt_tokens:
+            mrope = (min(end, s.num_prompt_tokens) - start, s.mrope_positions, start)
+        slots = [s.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        return _Rows(positions, mrope, slots)
+
+    def _prepare(self, plan: SchedulerOutput, rows: dict[str, _Rows]) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -148,18 +241,16 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in plan.scheduled)
         block_tables = []
         for s in plan.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
+            r = rows[s.request_id]
             input_ids.extend(s.token_ids)
-            # 1-D positions; media prompt tokens are overwritten with their 3-D positions below.
-            positions.extend(range(start + s.mrope_delta, end + s.mrope_delta))
-            if s.mrope_positions is not None and start < s.num_prompt_tokens:
+            positions.extend(r.positions)
+            if r.mrope is not None:
                 row = query_start_loc[-1]
-                mrope_rows.append(
-                    (row, row + min(end, s.num_prompt_tokens) - start, s.mrope_positions, start)
-                )
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                num_rows, prompt_positions, start = r.mrope
+                mrope_rows.append((row, row + num_rows, prompt_positions, start))  # type: ignore[arg-type]
+            slots.extend(r.slots)
             query_start_loc.append(query_start_loc[-1] + s.num_scheduled_tokens)
-            seq_lens.append(end)
+            seq_lens.append(s.num_computed_tokens + s.num_scheduled_tokens)
             if s.sample:
                 logits_indices.append(query_start_loc[-1] - 1)
             block_tables.append(list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)))

@@ -4,12 +4,13 @@ strings (telling the caller which requests to stop), and keeps per-request timin
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.request import Request
+from mmserve.request import SLO, Request, ServiceClass
 from mmserve.scheduler.output import EngineCoreOutput
 
 
@@ -44,6 +45,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    # The class the scheduler serves it in (after any admission-control downgrade) and its effective
+    # targets: its own SLO over the server's defaults for that class (what metrics judge it by).
+    service_class: ServiceClass = ServiceClass.INTERACTIVE
+    slo: SLO = field(default_factory=SLO)
 
     @property
     def finished(self) -> bool:
@@ -51,7 +56,9 @@ class RequestOutput:
 
 
 class _RequestState:
-    def __init__(self, request: Request, prompt: str | None, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, request: Request, prompt: str | None, tokenizer: PreTrainedTokenizerBase, class_slo: SLO
+    ) -> None:
         params = request.sampling_params
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=params.stop)
@@ -61,16 +68,24 @@ class _RequestState:
             prompt_token_ids=list(request.prompt_token_ids),
             logprobs=[] if params.logprobs is not None else None,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
+            # Read after Scheduler.add_request, which may have downgraded the request to batch.
+            service_class=request.service_class,
+            slo=(params.slo or SLO()).over(class_slo),
         )
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, class_slo: Callable[[ServiceClass], SLO] | None = None
+    ) -> None:
+        """`class_slo`: the server's default targets per class (SchedulerConfig.class_slo); None: none."""
         self.tokenizer = tokenizer
+        self.class_slo = class_slo
         self._states: dict[str, _RequestState] = {}
 
     def add_request(self, request: Request, prompt: str | None) -> None:
-        self._states[request.request_id] = _RequestState(request, prompt, self.tokenizer)
+        defaults = self.class_slo(request.service_class) if self.class_slo is not None else SLO()
+        self._states[request.request_id] = _RequestState(request, prompt, self.tokenizer, defaults)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Close a request the caller aborted; returns its final output."""

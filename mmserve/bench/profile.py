@@ -1,0 +1,181 @@
+"""`mmserve bench profile`: calibrates the `slo` policy's step-time model on the loaded model. Runs a sweep
+of step shapes through the real engine (prefill batches of several lengths and sizes, chunked prefills
+over a growing context, decode batches, images of several sizes, videos of several temporal groups),
+records each step's features and wall time, fits `StepTimeModel` by least squares and saves its JSON
+(`--step-time-model` / `EngineArgs.step_time_model` load it)."""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmserve.scheduler.step_time import FEATURES, StepFeatures, StepTimeModel
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """The sweep. Each (batch size, prompt length) pair with batch * length <= the token budget is one
+    prefill step then `decode_steps` decode steps; `chunked_len` is prefilled in budget-sized chunks."""
+
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    prompt_lens: tuple[int, ...] = (16, 128, 512)
+    decode_steps: int = 6
+    chunked_len: int = 2048
+    image_sizes: tuple[int, ...] = (112, 224, 448)
+    video_frames: tuple[int, ...] = (8, 32)
+    video_size: int = 224
+    max_num_batched_tokens: int = 2048
+    repeats: int = 2  # of the whole sweep: the first step of each shape may include one-off costs
+
+
+QUICK_PROFILE = ProfileConfig(
+    batch_sizes=(1, 4), prompt_lens=(8, 32), decode_steps=3, chunked_len=96, image_sizes=(56, 112),
+    video_frames=(4,), video_size=56, max_num_batched_tokens=64, repeats=1,
+)  # fmt: skip
+
+
+def _image_prompt(size: int, seed: int) -> dict:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")  # images arrive encoded, as from a client
+    return {
+        "prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe the image.",
+        "images": [buf.getvalue()],
+    }
+
+
+def _video_prompt(num_frames: int, size: int, seed: int) -> dict:
+    frames = np.random.default_rng(seed).integers(0, 255, (num_frames, size, size, 3), dtype=np.uint8)
+    return {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe the video.", "videos": [frames]}
+
+
+def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple[StepTimeModel, dict]:
+    """Returns the fitted model and a report: every sample (kind, features, seconds) and the fit's error."""
+    from mmserve import LLM, SamplingParams
+
+    budget = cfg.max_num_batched_tokens
+    llm = LLM(
+        model, device=device, max_num_batched_tokens=budget, max_num_seqs=max(cfg.batch_sizes),
+        max_num_encoder_tokens=budget, encoder_cache_size=1 << 20,
+        enable_prefix_caching=False,  # every prompt computed: the features say what really ran
+    )  # fmt: skip
+    engine, processor = llm.engine, llm.processor
+    is_mm = processor.mm_processor is not None
+    samples: list[dict[str, Any]] = []
+    ids = iter(range(1 << 30))
+    rng = np.random.default_rng(0)
+    # Plain text ids only: a random special id (an image placeholder, say) would change the request.
+    special = set(llm.tokenizer.all_special_ids) | set(llm.tokenizer.added_tokens_decoder)
+    plain = np.array(
+        [i for i in range(min(len(llm.tokenizer), engine.model_config.vocab_size)) if i not in special]
+    )
+
+    def run(prompts: list[Any], max_tokens: int, kind: str) -> None:
+        """Add the prompts, step until they finish, keep every step but the first of a kind's first run."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        for prompt in prompts:
+            request, _ = processor.process(prompt, params, f"p{next(ids)}")
+            engine.add_request(request)
+        engine.step_history.clear()
+        while engine.has_unfinished_requests():
+            engine.step()
+        for record in engine.step_history:
+            features = StepFeatures(
+                new_tokens=record.num_decode_tokens + record.num_prefill_tokens,
+                context_tokens=record.num_context_tokens,
+                num_seqs=record.num_seqs,
+                encoder_tokens=record.num_encoder_tokens,
+            )
+            step_kind = kind if record.num_prefill_tokens or record.num_encoder_tokens else "decode"
+            samples.append({"kind": step_kind, "features": features.__dict__, "seconds": record.duration_s})
+
+    def text(n: int) -> dict:
+        return {"prompt_token_ids": rng.choice(plain, n).tolist()}
+
+    run([text(8)], 2, "warmup")  # first forward: allocations, kernel selection
+    samples.clear()
+    for _ in range(cfg.repeats):
+        for batch in cfg.batch_sizes:
+            for length in cfg.prompt_lens:
+                if batch * length <= budget:
+                    run([text(length) for _ in range(batch)], cfg.decode_steps + 1, "prefill")
+        run([text(cfg.chunked_len)], 2, "chunked-prefill")
+        if is_mm:
+            for size in cfg.image_sizes:
+                run([_image_prompt(size, int(rng.integers(1 << 30)))], 2, "image")
+            for frames in cfg.video_frames:
+                run([_video_prompt(frames, cfg.video_size, int(rng.integers(1 << 30)))], 2, "video")
+    model = fit_relative([(StepFeatures(**s["features"]), s["seconds"]) for s in samples])
+    errors = [
+        abs(model.predict(StepFeatures(**s["features"])) - s["seconds"]) / s["seconds"] for s in samples
+    ]
+    report = {
+        "model": str(llm.engine.args.model),
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+        "coefficients": model.coefficients,
+        "features": list(FEATURES),
+        "num_samples": len(samples),
+        "median_relative_error": statistics.median(errors),
+        "p90_relative_error": float(np.percentile(errors, 90)),
+        "samples": samples,
+    }
+    return model, report
+
+
+def fit_relative(samples: list[tuple[StepFeatures, float]]) -> StepTimeModel:
+    """Least squares on the *relative* error, with non-negative coefficients.
+
+    `StepTimeModel.fit` minimises absolute error, so a sweep's few long prefill steps dominate and
+    collinear features (a fresh prefill's context equals its new tokens) can take negative or
+    inflated coefficients that misjudge the short steps the `slo` policy plans under a TBT target.
+    Here each row is divided by its measured time (weights 1/t), and a feature whose coefficient
+    comes out negative is dropped and the rest refitted (a small active-set NNLS)."""
+    x = np.array([f.vector() for f, _ in samples], dtype=np.float64)  # [n, len(FEATURES)]
+    t = np.array([s for _, s in samples], dtype=np.float64)  # [n]
+    if len(t) < 2 or not np.all(t > 0):
+        raise ValueError("fitting needs at least 2 samples with positive times")
+    a = x / t[:, None]  # row i: features_i / t_i, so that a @ c - 1 is the relative error
+    active = [j for j in range(len(FEATURES)) if np.any(x[:, j] != 0)]
+    coef = np.zeros(len(FEATURES))
+    while active:
+        scale = np.abs(a[:, active]).max(axis=0)  # conditioning: columns to max |.| = 1
+        sol, *_ = np.linalg.lstsq(a[:, active] / scale, np.ones(len(t)), rcond=None)
+        sol = sol / scale
+        if np.all(sol >= 0):
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))  # the most negative one explains nothing physical: drop it
+    return StepTimeModel(dict(zip(FEATURES, coef.tolist(), strict=True)))
+
+
+def format_profile(report: dict) -> str:
+    c = report["coefficients"]
+    lines = [f"step-time model of {report['model']} from {report['num_samples']} steps:"]
+    lines += [f"  {name:<16}{c[name]:.3e} s" for name in FEATURES]
+    lines.append(
+        f"  median / p90 relative error: {100 * report['median_relative_error']:.0f}% / "
+        f"{100 * report['p90_relative_error']:.0f}%"
+    )
+    return "\n".join(lines)
+
+
+def bench_profile(
+    model: Path, out: Path, cfg: ProfileConfig, json_path: Path | None = None, device: str | None = None
+) -> dict:
+    fitted, report = profile(model, cfg, device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fitted.save(out)
+    report["out"] = str(out)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2))
+    return report
