@@ -16,6 +16,7 @@ from mmserve.demo.cli import DEMO_COMMANDS, add_demo_parsers, run_demo_command
 
 # The committed demo model (mmserve/demo): answers questions about shapes in images and clips.
 DEFAULT_MODEL = "demo"
+FALLBACK_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")  # served instead while no demo model is committed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -498,6 +499,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.config import EngineArgs
     from mmserve.encoders.media import MediaLimits
 
+    args.model = _model_or_fallback(args.model)
     media_limits = MediaLimits(
         decode_workers=args.decode_workers,
         decode_timeout_s=args.decode_timeout_s,
@@ -538,6 +540,22 @@ def _serve(args: argparse.Namespace) -> int:
     )
 
 
+def _model_or_fallback(model: str) -> str:
+    """`model`, unless it is the default "demo" and this checkout has no trained demo checkpoint: then the
+    tiny random-weight model, generated on first use (its answers are noise), so `make serve` always runs."""
+    from mmserve.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+
+    if model != DEMO_MODEL_NAME or (DEMO_MODEL_DIR / "config.json").is_file() or Path(model).exists():
+        return model
+    if not (FALLBACK_MODEL_DIR / "config.json").is_file():
+        from mmserve.tiny_model import make_tiny_model
+
+        print(f"no demo model in this checkout: generating the tiny random model at {FALLBACK_MODEL_DIR} "
+              "(its answers are noise; see `mmserve train-demo`)", file=sys.stderr)  # fmt: skip
+        make_tiny_model(FALLBACK_MODEL_DIR)
+    return str(FALLBACK_MODEL_DIR)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from mmserve import LLM, SamplingParams
 
@@ -546,7 +564,7 @@ def _generate(args: argparse.Namespace) -> int:
         "What is the capital of France?",
         "Write a haiku about paged attention.",
     ]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(_model_or_fallback(args.model), device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     start = time.perf_counter()
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

@@ -17,7 +17,7 @@ def add_demo_parsers(sub: argparse._SubParsersAction) -> None:
         "train-demo", help="train the demo model (Qwen2-VL, ~2.6 M parameters) on easy-vqa, on the CPU"
     )
     train.add_argument("--out-dir", type=Path, default=DEMO_MODEL_DIR)
-    train.add_argument("--epochs", type=float, default=None, help="passes over the data (default: 2)")
+    train.add_argument("--epochs", type=float, default=None, help="passes over all questions after grounding (default: 1.5)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -44,9 +44,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
             cfg = TrainConfig(epochs=args.epochs, seed=args.seed, num_threads=args.threads)
         summary = train_demo(args.out_dir, cfg)
         write_model_card(args.out_dir)
-        print(f"wrote the demo model to {args.out_dir} in {summary['train_seconds']} s "
-              f"({summary['num_steps']} steps, final teacher-forced answer accuracy "
-              f"{summary['history'][-1]['answer_acc']:.3f})")  # fmt: skip
+        last = summary["history"][-1]
+        print(f"wrote the demo model to {args.out_dir} in {summary['train_seconds']} s ({summary['num_steps']} "
+              f"steps; teacher-forced accuracy at the end: yes/no {last['acc_yes/no']:.3f}, "
+              f"other {last['acc_other']:.3f})")  # fmt: skip
         return 0
     from mmserve.demo.evaluate import evaluate_demo
 

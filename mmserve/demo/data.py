@@ -66,9 +66,10 @@ def easy_vqa_image_paths(split: Split) -> dict[int, str]:
     return easy_vqa.get_train_image_paths() if split == "train" else easy_vqa.get_test_image_paths()
 
 
-def load_easy_vqa_images(split: Split) -> dict[int, np.ndarray]:
-    """image id -> [64, 64, 3] uint8."""
-    return {i: np.asarray(Image.open(p).convert("RGB")) for i, p in easy_vqa_image_paths(split).items()}
+def load_easy_vqa_images(split: Split, image_ids: list[int] | None = None) -> dict[int, np.ndarray]:
+    """image id -> [64, 64, 3] uint8, for `image_ids` (default: every image of the split)."""
+    paths = easy_vqa_image_paths(split)
+    return {i: np.asarray(Image.open(paths[i]).convert("RGB")) for i in (paths if image_ids is None else image_ids)}
 
 
 def video_questions(clip: Clip, rng: random.Random) -> list[tuple[str, str]]:

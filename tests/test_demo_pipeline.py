@@ -1,0 +1,65 @@
+"""The demo model's pipeline on a small scale: rendered clips and their questions, `train_demo` writing a
+checkpoint that mmserve loads and serves, `evaluate_demo` through `LLM.chat`, the model card, and how the
+name "demo" resolves (and falls back in the CLI) when no trained checkpoint is committed."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mmserve.cli as cli
+import mmserve.demo as demo
+from mmserve.demo.card import write_model_card
+from mmserve.demo.data import CLIP_FRAMES, COLORS, DIRECTIONS, SHAPES, make_clips, video_questions
+from mmserve.demo.evaluate import answer_kind, evaluate_demo
+from mmserve.demo.train import TrainConfig, train_demo
+from mmserve.encoders.media import load_video
+from mmserve.errors import InvalidRequestError
+
+
+def test_clips_decode_to_every_frame_and_move_the_way_their_label_says() -> None:
+    for clip in make_clips(6, seed=11):
+        assert clip.frames.shape == (CLIP_FRAMES, 64, 64, 3)
+        np.testing.assert_array_equal(load_video(clip.mp4).frames, clip.frames)  # what the server sees
+        # The shape's centre of mass (pixels far from the light background) moves along the label.
+        dark = clip.frames.astype(int).min(-1) < 200
+        ys, xs = zip(*(np.argwhere(f).mean(0) for f in dark), strict=True)
+        dx, dy = xs[-1] - xs[0], ys[-1] - ys[0]
+        want_x, want_y = DIRECTIONS[clip.direction]
+        moved = (dx if want_x else dy) * (want_x or want_y)
+        assert moved > 10, (clip.direction, dx, dy)
+        pairs = video_questions(clip, random.Random(0))
+        kinds = [answer_kind(a) for _, a in pairs]
+        assert kinds == ["shape", "color", "direction", "yes/no"]
+        assert pairs[0][1] == clip.shape in SHAPES and pairs[1][1] == clip.color in COLORS
+
+
+def test_train_demo_writes_a_checkpoint_mmserve_serves_and_evaluates(tmp_path: Path) -> None:
+    cfg = TrainConfig(vision_steps=2, vision_items_per_step=4, grounding_steps=2, grounding_items_per_step=4,
+                      epochs=0.5, items_per_step=4, warmup_steps=1, max_images=8, num_clips=4)  # fmt: skip
+    summary = train_demo(tmp_path, cfg)
+    assert summary["num_items"] == 12 and summary["num_steps"] == 2 + 2
+    assert {"vision_history", "history", "train_seconds"} <= summary.keys()
+    report = evaluate_demo(tmp_path, max_image_questions=6, num_clips=1, use_tqdm=False)
+    assert report["image"]["questions"] == 6 and report["video"]["questions"] == 4
+    assert 0.0 <= report["image"]["accuracy"] <= 1.0
+    (tmp_path / "eval_results.json").write_text(json.dumps(report), encoding="utf-8")
+    card = write_model_card(tmp_path).read_text(encoding="utf-8")
+    assert "easy-vqa test images | 6 |" in card and "mmserve train-demo" in card
+
+
+def test_demo_name_without_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "DEMO_MODEL_DIR", tmp_path / "missing")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidRequestError, match="train-demo"):
+        demo.resolve_model("demo")
+    assert demo.resolve_model("other/dir") == Path("other/dir")
+    # The CLI serves the generated tiny model instead, so `make serve` always runs.
+    monkeypatch.setattr(cli, "FALLBACK_MODEL_DIR", tmp_path / "tiny")
+    assert cli._model_or_fallback("demo") == str(tmp_path / "tiny")
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    assert cli._model_or_fallback("some/dir") == "some/dir"
