@@ -51,7 +51,7 @@ def write_model_card(model_dir: str | Path) -> Path:
         f"{train['num_items'] - 4000} rendered clips (8 frames at 2 fps, H.264) of one shape moving left, "
         "right, up or down, four questions each (shape, colour, direction, yes/no about a direction). "
         f"{train['num_questions']:,} question/answer pairs in all.",
-        f"- Stage 1, {tc['vision_steps']} steps: the vision tower alone, with linear heads on its mean-pooled "
+        f"- Stage 1, {tc['vision_steps']} steps: the vision tower alone, with linear heads on its max-pooled "
         "output predicting each item's shape, colour and direction (the heads are discarded).",
         f"- Stage 2, {train['num_steps']} steps: the whole model; the first {tc['grounding_steps']} on the "
         "questions whose answer names what is shown (no yes/no), then "
