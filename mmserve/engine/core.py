@@ -17,6 +17,7 @@ from mmserve.models.config import DecoderConfig
 from mmserve.request import Request, RequestStatus
 from mmserve.scheduler.output import EngineCoreOutput
 from mmserve.scheduler.scheduler import Scheduler, SchedulerStats
+from mmserve.scheduler.step_time import StepFeatures
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_CACHE_MEMORY = 2 << 30  # default KV pool on CPU when neither blocks nor memory are given
@@ -92,7 +93,8 @@ class EngineCore:
             raise
         outputs = self.scheduler.update(plan, runner_output)
         duration_s = time.perf_counter() - start
-        self.scheduler.record_step_time(plan, duration_s)  # the step-time model's online correction
+        features = StepFeatures.of_plan(plan)  # one pass over the plan for the model and the record
+        self.scheduler.record_step_time(plan, duration_s, features)  # the step-time model's online correction
         self.step_history.append(
             StepRecord(
                 duration_s,
@@ -100,8 +102,8 @@ class EngineCore:
                 plan.num_decode_tokens,
                 plan.num_prefill_tokens,
                 plan.num_encoder_tokens,
-                len(plan.scheduled),
-                sum(s.num_computed_tokens + s.num_scheduled_tokens for s in plan.scheduled),
+                features.num_seqs,
+                features.context_tokens,
             )
         )
         return outputs

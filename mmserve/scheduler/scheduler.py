@@ -29,7 +29,7 @@ from mmserve.scheduler.output import (
 )
 from mmserve.scheduler.policy import get_policy
 from mmserve.scheduler.slo import SloPlanner
-from mmserve.scheduler.step_time import StepTimeModel
+from mmserve.scheduler.step_time import StepFeatures, StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def record_step_time(self, plan: SchedulerOutput, duration_s: float) -> None:
-        """Engine feedback: the measured wall time of the step that executed `plan`."""
-        self.step_time.observe_plan(plan, duration_s)
+    def record_step_time(
+        self, plan: SchedulerOutput, duration_s: float, features: StepFeatures | None = None
+    ) -> None:
+        """Engine feedback: the measured wall time of the step that executed `plan` (`features`: the
+        plan's StepFeatures when the caller has them already)."""
+        self.step_time.observe(features or StepFeatures.of_plan(plan), duration_s)
 
     def stats(self) -> SchedulerStats:
         slo = self.slo.counters if self.slo is not None else None

@@ -122,9 +122,6 @@ class StepTimeModel:
         self.correction = (1.0 - self.ewma_alpha) * self.correction + self.ewma_alpha * ratio
         self.num_observed += 1
 
-    def observe_plan(self, plan: SchedulerOutput, measured_s: float) -> None:
-        self.observe(StepFeatures.of_plan(plan), measured_s)
-
     # -- calibration -----------------------------------------------------------------------------
     @classmethod
     def fit(cls, samples: Iterable[tuple[StepFeatures, float]], ewma_alpha: float = 0.2) -> StepTimeModel:
