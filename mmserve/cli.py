@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="checkpoint directory, or 'demo' (the default): the demo model trained on easy-vqa shapes",
     )
     gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
+    gen.add_argument("--image", action="append", default=[], help="image file or URL shown with every prompt")
+    gen.add_argument("--video", action="append", default=[], help="video file or URL shown with every prompt")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--device", default=None)
@@ -566,8 +568,15 @@ def _generate(args: argparse.Namespace) -> int:
     ]
     llm = LLM(_model_or_fallback(args.model), device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    media = [{"type": "image", "image": path} for path in args.image]
+    media += [{"type": "video", "video": path} for path in args.video]
+
+    def message(prompt: str) -> dict:
+        content = [*media, {"type": "text", "text": prompt}] if media else prompt
+        return {"role": "user", "content": content}
+
     start = time.perf_counter()
-    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    outputs = llm.chat([[message(p)] for p in prompts], params)
     elapsed = time.perf_counter() - start
     for prompt, out in zip(prompts, outputs, strict=True):
         if args.json:
@@ -578,6 +587,7 @@ def _generate(args: argparse.Namespace) -> int:
                         "text": out.text,
                         "finish_reason": out.finish_reason,
                         "num_tokens": len(out.token_ids),
+                        "num_prompt_tokens": len(out.prompt_token_ids),
                     }
                 )
             )

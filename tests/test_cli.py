@@ -45,6 +45,21 @@ def test_generate_prints_one_json_object_per_prompt(
     assert all(1 <= line["num_tokens"] <= 5 for line in lines)
 
 
+def test_generate_shows_images_and_videos_with_every_prompt(
+    tiny_model_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, assets = str(tiny_model_dir("qwen2_vl")), Path(__file__).parent.parent / "assets"
+    assert main(["generate", "--model", model, "--prompt", "hi", "--max-tokens", "2", "--json"]) == 0
+    text_only = json.loads(capsys.readouterr().out)["num_prompt_tokens"]
+    argv = ["generate", "--model", model, "--prompt", "hi", "--prompt", "yo", "--max-tokens", "2", "--json",
+            "--image", str(assets / "sample.jpg"), "--video", str(assets / "sample_clip.mp4")]  # fmt: skip
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["hi", "yo"]
+    # Both prompts carry the image's and the video's embedding placeholders.
+    assert all(line["num_prompt_tokens"] > text_only + 10 for line in lines)
+
+
 def test_bench_throughput_quick_run(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = [

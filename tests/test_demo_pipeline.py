@@ -14,7 +14,17 @@ import pytest
 import mmserve.cli as cli
 import mmserve.demo as demo
 from mmserve.demo.card import write_model_card
-from mmserve.demo.data import CLIP_FRAMES, COLORS, DIRECTIONS, SHAPES, make_clips, video_questions
+from mmserve.demo.data import (
+    CLIP_FRAMES,
+    COLORS,
+    DIRECTIONS,
+    SHAPES,
+    balanced_yes_no,
+    direction_yes_no,
+    easy_vqa_questions,
+    make_clips,
+    video_questions,
+)
 from mmserve.demo.evaluate import answer_kind, evaluate_demo
 from mmserve.demo.train import TrainConfig, train_demo
 from mmserve.encoders.media import load_video
@@ -38,11 +48,40 @@ def test_clips_decode_to_every_frame_and_move_the_way_their_label_says() -> None
         assert pairs[0][1] == clip.shape in SHAPES and pairs[1][1] == clip.color in COLORS
 
 
+def test_generated_yes_no_questions_are_balanced_and_phrased_as_easy_vqa() -> None:
+    phrasings = {_template(q.text) for q in easy_vqa_questions("train") if q.answer in ("yes", "no")}
+    pairs = balanced_yes_no("triangle", "teal", random.Random(0), 2000)
+    assert {_template(q) for q, _ in pairs} <= phrasings  # no wording the test split does not use
+    assert 0.45 < sum(a == "yes" for _, a in pairs) / len(pairs) < 0.55
+    for question, answer in pairs:
+        names_it = "teal shape" in question or "triangle" in question
+        negated = " not " in question or question.startswith("is no ")
+        assert answer == ("yes" if names_it != negated else "no"), question
+    clip = make_clips(1, seed=4)[0]
+    yes, no = direction_yes_no(clip, random.Random(1))
+    assert yes[1] == "yes" and clip.direction in yes[0]
+    assert no[1] == "no" and clip.direction not in no[0]
+
+
+def _template(question: str) -> str:
+    for word in (*COLORS, *SHAPES):
+        question = question.replace(word, "X")
+    return question
+
+
 def test_train_demo_writes_a_checkpoint_mmserve_serves_and_evaluates(tmp_path: Path) -> None:
     cfg = TrainConfig(vision_steps=2, vision_items_per_step=4, grounding_steps=2, grounding_items_per_step=4,
-                      epochs=0.5, items_per_step=4, warmup_steps=1, max_images=8, num_clips=4)  # fmt: skip
+                      epochs=0.5, items_per_step=4, warmup_steps=1, max_images=8, num_clips=4,
+                      balanced_yes_no_per_image=2)  # fmt: skip
     summary = train_demo(tmp_path, cfg)
     assert summary["num_items"] == 12 and summary["num_steps"] == 2 + 2
+    by_image: dict[int, list[str]] = {}
+    for q in easy_vqa_questions("train"):
+        by_image.setdefault(q.media_id, []).append(q.answer)
+    first = [by_image[i] for i in sorted(by_image)[:8]]
+    labelled = sum(bool(set(a) & set(SHAPES)) and bool(set(a) & set(COLORS)) for a in first)
+    expected = sum(map(len, first)) + cfg.balanced_yes_no_per_image * labelled + 5 * 4  # clips: 4 + 1 balancing
+    assert summary["num_questions"] == expected
     assert {"vision_history", "history", "train_seconds"} <= summary.keys()
     report = evaluate_demo(tmp_path, max_image_questions=6, num_clips=1, use_tqdm=False)
     assert report["image"]["questions"] == 6 and report["video"]["questions"] == 4

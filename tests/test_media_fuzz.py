@@ -327,6 +327,14 @@ def test_pool_decodes_bit_exactly_as_in_process(pool: DecodePool) -> None:
     assert str(info.value) == str(local_info.value) and info.value.param == "images"
 
 
+def test_pool_reads_paths_relative_to_the_callers_directory(
+    pool: DecodePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a.png").write_bytes(SEEDS["png"][1])
+    monkeypatch.chdir(tmp_path)  # the workers run in "/"
+    assert np.array_equal(np.asarray(pool.load_image("a.png", LIMITS)), np.asarray(load_image("a.png", LIMITS)))
+
+
 def test_every_case_decodes_the_same_in_the_pool_as_in_process(pool: DecodePool) -> None:
     """Same pixels or the same message, isolated or not (these cases neither crash nor hang a decoder)."""
 

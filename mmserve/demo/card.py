@@ -15,6 +15,7 @@ def write_model_card(model_dir: str | Path) -> Path:
     cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     text, vision = cfg["text_config"], cfg["vision_config"]
     tc = train["train_config"]
+    balanced = tc.get("balanced_yes_no_per_image", 0)
     lines = [
         "---",
         "license: apache-2.0",
@@ -47,14 +48,20 @@ def write_model_card(model_dir: str | Path) -> Path:
         f"mmserve train-demo --epochs {tc['epochs']:g} --seed {tc['seed']}",
         "```",
         "",
-        f"- Data: easy-vqa's train split (4,000 64x64 images, 38,575 questions, 13 answers) and "
-        f"{train['num_items'] - 4000} rendered clips (8 frames at 2 fps, H.264) of one shape moving left, "
-        "right, up or down, four questions each (shape, colour, direction, yes/no about a direction). "
-        f"{train['num_questions']:,} question/answer pairs in all.",
-        f"- Stage 1, {tc['vision_steps']} steps: the vision tower alone, with linear heads on its max-pooled "
-        "output predicting each item's shape, colour and direction (the heads are discarded).",
-        f"- Stage 2, {train['num_steps']} steps: the whole model; the first {tc['grounding_steps']} on the "
-        "questions whose answer names what is shown (no yes/no), then "
+        "- Data: easy-vqa's train split (4,000 64x64 images, 38,575 questions, 13 answers)"
+        + (
+            f" with {balanced} generated yes/no questions per image in easy-vqa's phrasings, right half the time"
+            if balanced
+            else ""
+        )
+        + f", and {train['num_items'] - 4000} rendered clips (8 frames at 2 fps, H.264) of one shape moving "
+        f"left, right, up or down, {5 if balanced else 4} questions each (shape, colour, direction, yes/no "
+        f"about a direction). {train['num_questions']:,} question/answer pairs in all.",
+        f"- Stage 1, {tc['vision_steps']} steps of {tc['vision_items_per_step']} items: the vision tower alone, "
+        "with linear heads on the max over each item's output tokens predicting its shape, colour and "
+        "direction (cosine learning rate; the heads are discarded). The tower is then frozen.",
+        f"- Stage 2, {train['num_steps']} steps: the decoder (the frozen tower's outputs computed once); the "
+        f"first {tc['grounding_steps']} on the questions whose answer names what is shown (no yes/no), then "
         f"{tc['epochs']:g} passes over all questions, {tc['items_per_step']} media items per step; AdamW "
         f"lr {tc['lr']:g} (warmup {tc['warmup_steps']}, cosine to 5%), weight decay {tc['weight_decay']:g}, "
         "loss on the answer tokens and `<|im_end|>` only.",

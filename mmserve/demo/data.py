@@ -90,6 +90,38 @@ def video_questions(clip: Clip, rng: random.Random) -> list[tuple[str, str]]:
     return [pair for kind in kinds for pair in rng.sample(kind, 1)]
 
 
+# easy-vqa's own yes/no phrasings, and whether each is negated; "{}" is a shape or "<colour> shape".
+_YES_NO_TEMPLATES = (
+    ("is there a {}?", False), ("is there a {} in the image?", False), ("does the image contain a {}?", False),
+    ("is a {} present?", False), ("is there not a {}?", True), ("is there not a {} in the image?", True),
+    ("does the image not contain a {}?", True), ("is no {} present?", True),
+)  # fmt: skip
+
+
+def balanced_yes_no(shape: str, color: str, rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """`n` yes/no questions, in easy-vqa's phrasings, about an image of one `color` `shape`; each names
+    what the image shows with probability 1/2. easy-vqa's own mostly name something absent (86% of its
+    un-negated colour questions answer "no"), and a model trained on them alone answers from the
+    question's form (negated: "yes", else "no") without looking at the image."""
+    out = []
+    for _ in range(n):
+        template, negated = rng.choice(_YES_NO_TEMPLATES)
+        shown = rng.random() < 0.5
+        if rng.random() < 0.5:
+            thing = f"{color if shown else rng.choice([c for c in COLORS if c != color])} shape"
+        else:
+            thing = shape if shown else rng.choice([s for s in SHAPES if s != shape])
+        out.append((template.format(thing), "yes" if shown != negated else "no"))
+    return out
+
+
+def direction_yes_no(clip: Clip, rng: random.Random) -> list[tuple[str, str]]:
+    """Two yes/no questions about a clip's direction: one names it (yes), one names another (no)."""
+    other = rng.choice([d for d in DIRECTIONS if d != clip.direction])
+    templates = ("is the shape moving {}?", f"does the {clip.shape} move {{}}?")
+    return [(rng.choice(templates).format(clip.direction), "yes"), (rng.choice(templates).format(other), "no")]
+
+
 def make_clips(n: int, seed: int) -> list[Clip]:
     """`n` clips, each one shape of easy-vqa's palette moving steadily in one of four directions."""
     rng = random.Random(seed)

@@ -414,7 +414,8 @@ def encoded_source(
     param: str | None = None,
 ) -> bytes | Path:
     """The cheap checks of `load_image` / `load_video`, run before any decoder: bytes or a data URL ->
-    the encoded bytes under the byte cap; a local path -> the path, its size under the cap. A video's
+    the encoded bytes under the byte cap; a local path -> the absolute path (decode workers run in
+    another directory), its size under the cap. A video's
     container must also be one we demux (magic bytes). Raises `InvalidRequestError` naming `item`."""
 
     def fail(message: str) -> InvalidRequestError:
@@ -434,7 +435,7 @@ def encoded_source(
             except OSError as exc:
                 raise fail("could not be read") from exc
             _sniff_video_format(head, fail)
-        return path
+        return path.resolve()
     data = _read_source(source, max_bytes, limit_name, kind, fail)
     if kind == "video":
         _sniff_video_format(data[:16], fail)
