@@ -135,6 +135,22 @@ def test_every_policy_gives_the_same_greedy_output(llm: LLM, model_dir: Path, po
     assert_no_leak(other)
 
 
+def test_slo_policy_and_its_settings_pass_through_to_the_engine(llm: LLM, model_dir: Path) -> None:
+    prompts = ["a b c " * n for n in (1, 7, 20, 3)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    slo = LLM(model_dir, scheduler_policy="slo", max_num_batched_tokens=64, interactive_ttft_ms=250.0,
+              interactive_tbt_ms=40.0, step_time_headroom=0.3, max_batch_decode_skips=2)  # fmt: skip
+    config = slo.engine.scheduler_config
+    assert (config.interactive_slo.ttft_ms, config.interactive_slo.tbt_ms) == (250.0, 40.0)
+    assert (config.step_time_headroom, config.max_batch_decode_skips) == (0.3, 2)
+    classes = ["batch", "interactive", "batch", "interactive"]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, service_class=c) for c in classes]
+    assert [o.token_ids for o in slo.generate(prompts, params)] == expected
+    assert_no_leak(slo)
+    with pytest.raises(TypeError, match="no_such_setting"):
+        LLM(model_dir, no_such_setting=1)
+
+
 def test_metrics_are_ordered(llm: LLM) -> None:
     (out,) = llm.generate("timing", GREEDY)
     m = out.metrics

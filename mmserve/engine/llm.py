@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -38,7 +39,10 @@ class LLM:
         encoder_cache_size: int | None = None,
         chunk_encoder: bool = True,
         media_limits: MediaLimits | None = None,
+        **engine_args: Any,
     ) -> None:
+        """Any other `EngineArgs` field goes through `engine_args`, e.g. the `slo` policy's
+        `interactive_ttft_ms`, `interactive_tbt_ms`, `admission_control` or `step_time_model`."""
         args = EngineArgs(
             model=str(model),
             device=device,
@@ -54,6 +58,7 @@ class LLM:
             max_num_encoder_tokens=max_num_encoder_tokens,
             encoder_cache_size=encoder_cache_size,
             chunk_encoder=chunk_encoder,
+            **engine_args,
         )
         loaded = load_engine(args, media_limits)
         self.tokenizer, self.engine, self.processor = loaded.tokenizer, loaded.core, loaded.processor
