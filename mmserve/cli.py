@@ -271,6 +271,10 @@ def _add_slo_mix_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-tbt-ms", type=float, default=100.0, help="interactive TBT target (judged on TPOT)")
     g.add_argument("--step-time-model", default=None, help="`mmserve bench profile` JSON for the slo policy")
     g.add_argument("--step-time-headroom", type=float, default=0.1, help="the slo policy's TBT headroom")
+    g.add_argument("--tbt-slack-ms", type=float, default=0.0,
+                   help="the slo policy's lend of a stream's lead on its TBT pace (TPOT is a mean)")  # fmt: skip
+    g.add_argument("--batch-min-share", type=float, default=0.1,
+                   help="the slo policy's share of each step kept for batch work")  # fmt: skip
 
 
 def _add_bench_profile_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -314,6 +318,7 @@ def _bench_slo_mix(args: argparse.Namespace) -> int:
             policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             step_time_model=args.step_time_model, step_time_headroom=args.step_time_headroom, seed=args.seed,
+            tbt_slack_ms=args.tbt_slack_ms, batch_min_share=args.batch_min_share,
         )  # fmt: skip
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
@@ -480,6 +485,9 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
                    help="share of each step kept for batch work when there is some")  # fmt: skip
     g.add_argument("--step-time-headroom", type=float, default=0.1,
                    help="steps are planned to (1 - this) x the tightest interactive TBT target")  # fmt: skip
+    g.add_argument("--tbt-slack-ms", type=float, default=0.0,
+                   help="a stream ahead of its TBT pace may lend up to this much of its lead to one step "
+                        "(TPOT is a mean); 0: every step fits the TBT target")  # fmt: skip
 
 
 def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -492,6 +500,7 @@ def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "max_batch_decode_skips": args.max_batch_decode_skips,
         "batch_min_share": args.batch_min_share,
         "step_time_headroom": args.step_time_headroom,
+        "tbt_slack_ms": args.tbt_slack_ms,
     }
 
 

@@ -30,6 +30,10 @@ class SchedulerConfig:
     max_batch_decode_skips: int = 4  # a running batch decode waits at most this many steps in a row
     batch_min_share: float = 0.1  # of a step's tokens and predicted time, kept for batch work if any
     step_time_headroom: float = 0.1  # steps are planned to (1 - this) x the tightest TBT target
+    # TPOT is a mean: a stream ahead of its TBT pace (tokens so far x TBT > time since its first token)
+    # may lend up to this much of its lead to one step, for a bigger prefill chunk. 0: every step fits
+    # the TBT target (a bound on each inter-token gap, not only on their mean).
+    tbt_slack_ms: float = 0.0
     batch_aging_ms: float = 30_000.0  # a batch request waiting this long is served like a late chat
     pin_after_preemptions: int = 2  # a request preempted this often is not evicted again ...
     pin_ms: float = 2_000.0  # ... for this long after its latest preemption
@@ -59,7 +63,7 @@ class SchedulerConfig:
             share = getattr(self, name)
             if not isinstance(share, (int, float)) or isinstance(share, bool) or not (0.0 <= share < 1.0):
                 raise InvalidRequestError(f"{name}: must be a number in [0, 1), got {share!r}", param=name)
-        for name in ("batch_aging_ms", "pin_ms"):
+        for name in ("batch_aging_ms", "pin_ms", "tbt_slack_ms"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0.0):
                 raise InvalidRequestError(f"{name}: must be a number >= 0, got {value!r}", param=name)
@@ -118,6 +122,7 @@ class EngineArgs:
     max_batch_decode_skips: int = SchedulerConfig.max_batch_decode_skips
     batch_min_share: float = SchedulerConfig.batch_min_share
     step_time_headroom: float = SchedulerConfig.step_time_headroom  # steps planned to (1 - this) x TBT
+    tbt_slack_ms: float = SchedulerConfig.tbt_slack_ms  # a stream's lead on its TBT pace lent to one step
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -151,6 +156,7 @@ class EngineArgs:
             max_batch_decode_skips=self.max_batch_decode_skips,
             batch_min_share=self.batch_min_share,
             step_time_headroom=self.step_time_headroom,
+            tbt_slack_ms=self.tbt_slack_ms,
             admission_control=self.admission_control,
             step_time_model=self.step_time_model,
         )

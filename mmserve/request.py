@@ -234,6 +234,7 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic() when first granted tokens
     num_preemptions: int = 0
     last_token_time: float | None = None  # scheduler clock when the latest output token was applied
+    first_token_time: float | None = None  # ... and the first (kept across preemption)
     # Set by the `slo` policy's admission control when it downgrades the request to batch.
     class_override: ServiceClass | None = None
     # Chain hashes of the full blocks of all_token_ids, filled by the KV cache manager.

@@ -97,6 +97,21 @@ def test_step_budget_shrinks_to_the_tightest_tbt_of_the_running_chats() -> None:
     assert grants(step(sched, clock))["batch"] == 512
 
 
+@pytest.mark.parametrize(("slack_ms", "behind", "limit"), [(0.0, False, 0.045), (30.0, False, 0.072), (30.0, True, 0.045)])
+def test_a_stream_ahead_of_its_tbt_pace_lends_up_to_the_slack(slack_ms: float, behind: bool, limit: float) -> None:
+    clock = VirtualClock()
+    sched = make_scheduler("slo", clock, tbt_slack_ms=slack_ms)
+    sched.add_request(request("chat", 0.0, 8, 50, slo={"tbt_ms": 50}))
+    for _ in range(4):  # the first token, then decodes of ~5 ms each: far ahead of 50 ms per token
+        step(sched, clock)
+    if behind:
+        clock.now += 1.0  # now 20 tokens' worth behind: no lead to lend, and no tightening either
+    sched.add_request(request("batch", clock.now, 3000, 4, "batch", first_token_id=1000))
+    plan = step(sched, clock)
+    assert sched.slo is not None and sched.slo.last_time_limit == pytest.approx(limit)
+    assert TRUE_COST.predict(StepFeatures.of_plan(plan)) <= limit + 1e-12
+
+
 def test_interactive_decodes_get_their_token_even_when_they_alone_exceed_the_target() -> None:
     clock = VirtualClock()
     sched = make_scheduler("slo", clock, budget=512, max_seqs=64)

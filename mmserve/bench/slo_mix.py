@@ -51,6 +51,8 @@ class MixConfig:
     max_num_seqs: int = 64
     step_time_model: str | None = None  # `mmserve bench profile` JSON for the slo policy
     step_time_headroom: float = 0.1  # the slo policy plans steps to (1 - this) x the TBT target
+    tbt_slack_ms: float = 0.0  # the slo policy's lend of a stream's lead on its TBT pace
+    batch_min_share: float = 0.1  # the slo policy's share of each step kept for batch work
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -213,7 +215,8 @@ def bench_slo_mix(model: Path, cfg: MixConfig, json_path: Path | None = None, pr
             model, scheduler_policy=policy, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, interactive_ttft_ms=cfg.ttft_ms, interactive_tbt_ms=cfg.tbt_ms,
             step_time_model=cfg.step_time_model if policy == "slo" else None,
-            step_time_headroom=cfg.step_time_headroom,
+            step_time_headroom=cfg.step_time_headroom, tbt_slack_ms=cfg.tbt_slack_ms,
+            batch_min_share=cfg.batch_min_share,
         )  # fmt: skip
         try:
             url = server.url.rstrip("/")

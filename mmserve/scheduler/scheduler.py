@@ -243,6 +243,8 @@ class Scheduler:
                 continue  # finished or preempted after this plan was made; its token is dropped
             request.append_output_token(token_id)
             request.last_token_time = now
+            if request.first_token_time is None:
+                request.first_token_time = now
             status = self._check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)

@@ -111,6 +111,20 @@ class SloPlanner:
             due = min(due, request.arrival_time + slo.deadline_ms / 1e3)
         return due
 
+    def tbt_allowance(self, request: Request, now: float) -> float | None:
+        """Seconds the next step may take for a decoding stream (None: no TBT target): its TBT, plus
+        its lead on the TBT pace (its tokens so far at TBT each, against the time since its first
+        token and this step's wait) up to `tbt_slack_ms`."""
+        tbt_ms = self.effective_slo(request).tbt_ms
+        if tbt_ms is None:
+            return None
+        tbt, slack = tbt_ms / 1e3, self.config.tbt_slack_ms / 1e3
+        if slack <= 0.0 or request.first_token_time is None:
+            return tbt
+        # After n tokens the stream may reach token n + 1 by first + n x TBT with a mean gap <= TBT.
+        lead = request.first_token_time + request.num_output_tokens * tbt - now - tbt
+        return tbt + min(max(lead, 0.0), slack)
+
     def remaining_prefill_s(self, request: Request) -> float:
         """Predicted seconds to compute the request's uncomputed tokens in one step of its own,
         its not yet encoded media groups included. A lower bound: chunking only adds to it."""
@@ -181,11 +195,12 @@ class SloPlanner:
         max_skips = self.config.max_batch_decode_skips
         forced = [r for r in batch_decodes if self._skips.get(r.request_id, 0) >= max_skips]
 
-        # The time budget: the tightest TBT target among streams that are decoding now, less the
-        # headroom kept for prediction error (a step planned to exactly the target misses it half the time).
-        targets = [t for r in interactive_decodes if (t := self.effective_slo(r).tbt_ms) is not None]
+        # The time budget: the tightest TBT target among streams that are decoding now (plus what each
+        # may lend of its lead, see tbt_allowance), less the headroom kept for prediction error (a step
+        # planned to exactly the target misses it half the time).
+        allowances = [a for r in interactive_decodes if (a := self.tbt_allowance(r, now)) is not None]
         headroom = 1.0 - self.config.step_time_headroom
-        self.last_time_limit = min(targets) / 1e3 * headroom if targets else math.inf
+        self.last_time_limit = min(allowances) * headroom if allowances else math.inf
         self._seconds_left = self.last_time_limit - sched.step_time.intercept()
 
         # 1. Mandatory decodes: never skipped for time, only for the hard budget or memory.
