@@ -25,7 +25,7 @@ from mmserve.demo.data import (
     make_clips,
     video_questions,
 )
-from mmserve.demo.evaluate import answer_kind, evaluate_demo
+from mmserve.demo.evaluate import answer_kind, evaluate_demo, names_what_is_shown
 from mmserve.demo.train import TrainConfig, train_demo
 from mmserve.encoders.media import load_video
 from mmserve.errors import InvalidRequestError
@@ -63,6 +63,16 @@ def test_generated_yes_no_questions_are_balanced_and_phrased_as_easy_vqa() -> No
     assert no[1] == "no" and clip.direction not in no[0]
 
 
+def test_yes_no_questions_split_by_whether_they_name_what_is_shown() -> None:
+    assert names_what_is_shown("is there a red shape?", "yes")
+    assert names_what_is_shown("is there not a circle in the image?", "no")
+    assert names_what_is_shown("is no triangle present?", "no")
+    assert names_what_is_shown("does the circle move left?", "yes")
+    assert not names_what_is_shown("does the image contain a green shape?", "no")
+    assert not names_what_is_shown("does the image not contain a black shape?", "yes")
+    assert not names_what_is_shown("is the shape moving up?", "no")
+
+
 def _template(question: str) -> str:
     for word in (*COLORS, *SHAPES):
         question = question.replace(word, "X")
@@ -86,6 +96,8 @@ def test_train_demo_writes_a_checkpoint_mmserve_serves_and_evaluates(tmp_path: P
     report = evaluate_demo(tmp_path, max_image_questions=6, num_clips=1, use_tqdm=False)
     assert report["image"]["questions"] == 6 and report["video"]["questions"] == 4
     assert 0.0 <= report["image"]["accuracy"] <= 1.0
+    split = report["image"]["yes_no"]
+    assert sum(v["questions"] for v in split.values()) == report["image"]["by_kind"]["yes/no"]["questions"]
     (tmp_path / "eval_results.json").write_text(json.dumps(report), encoding="utf-8")
     card = write_model_card(tmp_path).read_text(encoding="utf-8")
     assert "easy-vqa test images | 6 |" in card and "mmserve train-demo" in card

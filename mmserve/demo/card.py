@@ -81,6 +81,17 @@ def write_model_card(model_dir: str | Path) -> Path:
                 kinds = ", ".join(f"{k} {v['accuracy']:.1%}" for k, v in r["by_kind"].items())
                 lines.append(f"| {label} | {r['questions']:,} | {r['accuracy']:.1%} | {kinds} |")
         lines += ["", "An answer counts when it equals the expected one after lower-casing and stripping."]
+        for name, label in (("image", "test images"), ("video", "held-out clips")):
+            split = report.get(name, {}).get("yes_no", {})
+            if {"names_what_is_shown", "names_something_else"} <= split.keys():
+                shown, other = split["names_what_is_shown"], split["names_something_else"]
+                lines.append("")
+                lines.append(
+                    f"On {label}, yes/no questions that name what is shown: {shown['accuracy']:.1%} right "
+                    f"({shown['questions']:,}); that name something else: {other['accuracy']:.1%} "
+                    f"({other['questions']:,}). A model reading the picture gets both right; one answering "
+                    "from the wording (\"no\", or \"yes\" when negated) only the second."
+                )
     lines += [
         "",
         "## Licences",

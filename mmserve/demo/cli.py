@@ -59,6 +59,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
             r = report[name]
             kinds = ", ".join(f"{k} {v['accuracy']:.1%} of {v['questions']}" for k, v in r["by_kind"].items())
             print(f"{name}: {r['accuracy']:.1%} of {r['questions']} questions ({kinds})")
+            for k, v in r.get("yes_no", {}).items():
+                print(f"  yes/no, question {k.replace('_', ' ')}: {v['accuracy']:.1%} of {v['questions']}")
     text = json.dumps(report, indent=2) + "\n"
     if args.json is not None:
         args.json.write_text(text, encoding="utf-8")

@@ -40,6 +40,14 @@ def answer_kind(answer: str) -> str:
     return "other"
 
 
+def names_what_is_shown(question: str, answer: str) -> bool:
+    """Whether a yes/no question names what the picture shows ("is there a red shape?" over a red
+    shape; "is there not a circle?" over a circle). Its answer is then "yes" unless it is negated: a
+    model that answers from the wording alone ("no", or "yes" when negated) gets only the others right."""
+    negated = " not " in f" {question} " or question.startswith("is no ")
+    return (answer == "yes") != negated
+
+
 def normalize(text: str) -> str:
     return text.strip().lower()
 
@@ -86,18 +94,26 @@ def evaluate_demo(
         outputs = llm.chat([c for c, _, _ in cases], GREEDY, use_tqdm=use_tqdm)
         right: Counter[str] = Counter()
         total: Counter[str] = Counter()
+        yes_no: dict[str, list[int]] = {"names_what_is_shown": [0, 0], "names_something_else": [0, 0]}
         samples = []
         for (_, text, answer), out in zip(cases, outputs, strict=True):
             kind = answer_kind(answer)
             total[kind] += 1
             ok = normalize(out.text) == answer
             right[kind] += ok
+            if kind == "yes/no":
+                split = yes_no["names_what_is_shown" if names_what_is_shown(text, answer) else "names_something_else"]
+                split[0] += ok
+                split[1] += 1
             if len(samples) < 8:
                 samples.append({"question": text, "expected": answer, "answer": out.text, "correct": ok})
         report[name] = {
             "questions": sum(total.values()),
             "accuracy": round(sum(right.values()) / sum(total.values()), 4),
             "by_kind": {k: {"questions": total[k], "accuracy": round(right[k] / total[k], 4)} for k in sorted(total)},
+            # yes/no accuracy by whether the question names what is shown: both must be high for the
+            # answers to come from the picture rather than from the question's wording.
+            "yes_no": {k: {"questions": n, "accuracy": round(r / n, 4)} for k, (r, n) in yes_no.items() if n},
             "samples": samples,
         }
     stats = llm.stats()
