@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from mmserve.bench.metrics import RequestTiming
-from mmserve.bench.profile import fit_relative
 from mmserve.bench.slo_mix import BATCH, INTERACTIVE, QUICK_MIX, MixConfig, build_mix, meets, phase_metrics
 from mmserve.cli import main
 from mmserve.scheduler.step_time import FEATURES, StepFeatures, StepTimeModel
@@ -114,9 +113,9 @@ def test_fit_relative_recovers_coefficients_and_stays_non_negative() -> None:
         for s in (1, 8)
         for e in (0, 64)
     ]
-    fitted = fit_relative([(f, true_model.predict(f)) for f in shapes])
+    fitted = StepTimeModel.fit([(f, true_model.predict(f)) for f in shapes])
     for name, value in truth.items():
         assert fitted.coefficients[name] == pytest.approx(value, abs=1e-9)
     # A feature that only makes steps *faster* in the data gets 0, not a negative coefficient.
     skewed = [(f, true_model.predict(f) * (0.5 if f.context_tokens > f.new_tokens else 1.0)) for f in shapes]
-    assert all(v >= 0.0 for v in fit_relative(skewed).coefficients.values())
+    assert all(v >= 0.0 for v in StepTimeModel.fit(skewed).coefficients.values())

@@ -113,7 +113,7 @@ def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple
                 run([_image_prompt(size, int(rng.integers(1 << 30)))], 2, "image")
             for frames in cfg.video_frames:
                 run([_video_prompt(frames, cfg.video_size, int(rng.integers(1 << 30)))], 2, "video")
-    model = fit_relative([(StepFeatures(**s["features"]), s["seconds"]) for s in samples])
+    model = StepTimeModel.fit([(StepFeatures(**s["features"]), s["seconds"]) for s in samples])
     errors = [
         abs(model.predict(StepFeatures(**s["features"])) - s["seconds"]) / s["seconds"] for s in samples
     ]
@@ -128,33 +128,6 @@ def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple
         "samples": samples,
     }
     return model, report
-
-
-def fit_relative(samples: list[tuple[StepFeatures, float]]) -> StepTimeModel:
-    """Least squares on the *relative* error, with non-negative coefficients.
-
-    `StepTimeModel.fit` minimises absolute error, so a sweep's few long prefill steps dominate and
-    collinear features (a fresh prefill's context equals its new tokens) can take negative or
-    inflated coefficients that misjudge the short steps the `slo` policy plans under a TBT target.
-    Here each row is divided by its measured time (weights 1/t), and a feature whose coefficient
-    comes out negative is dropped and the rest refitted (a small active-set NNLS)."""
-    x = np.array([f.vector() for f, _ in samples], dtype=np.float64)  # [n, len(FEATURES)]
-    t = np.array([s for _, s in samples], dtype=np.float64)  # [n]
-    if len(t) < 2 or not np.all(t > 0):
-        raise ValueError("fitting needs at least 2 samples with positive times")
-    a = x / t[:, None]  # row i: features_i / t_i, so that a @ c - 1 is the relative error
-    active = [j for j in range(len(FEATURES)) if np.any(x[:, j] != 0)]
-    coef = np.zeros(len(FEATURES))
-    while active:
-        scale = np.abs(a[:, active]).max(axis=0)  # conditioning: columns to max |.| = 1
-        sol, *_ = np.linalg.lstsq(a[:, active] / scale, np.ones(len(t)), rcond=None)
-        sol = sol / scale
-        if np.all(sol >= 0):
-            coef[:] = 0.0
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))  # the most negative one explains nothing physical: drop it
-    return StepTimeModel(dict(zip(FEATURES, coef.tolist(), strict=True)))
 
 
 def format_profile(report: dict) -> str:

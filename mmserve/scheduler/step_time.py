@@ -1,5 +1,5 @@
 """Step-time model: predicts one engine step's duration from what its plan computes, fitted by
-least squares (pure Python) and corrected online from measured steps. It knows plans and seconds,
+least squares (`mmserve bench profile`) and corrected online from measured steps. It knows plans and seconds,
 never the device or the model."""
 
 from __future__ import annotations
@@ -125,22 +125,33 @@ class StepTimeModel:
     # -- calibration -----------------------------------------------------------------------------
     @classmethod
     def fit(cls, samples: Iterable[tuple[StepFeatures, float]], ewma_alpha: float = 0.2) -> StepTimeModel:
-        """Least squares over (features, seconds) samples. A feature that never varies from zero in
-        the samples (no encoder work profiled, say) gets coefficient 0."""
-        rows = [(f.vector(), float(t)) for f, t in samples]
-        if len(rows) < 2:
-            raise ValueError("fitting a step-time model needs at least 2 samples")
-        n = len(FEATURES)
-        # Scale every column to max |x| = 1 so the normal equations are well conditioned.
-        scale = [max(abs(x[j]) for x, _ in rows) for j in range(n)]
-        active = [j for j in range(n) if scale[j] > 0.0]
-        xtx = [[sum(x[i] * x[j] / (scale[i] * scale[j]) for x, _ in rows) for j in active] for i in active]
-        xty = [sum(x[i] / scale[i] * t for x, t in rows) for i in active]
-        solution = _solve(xtx, xty)
-        coefficients = dict.fromkeys(FEATURES, 0.0)
-        for k, j in enumerate(active):
-            coefficients[FEATURES[j]] = solution[k] / scale[j]
-        return cls(coefficients, ewma_alpha=ewma_alpha)
+        """Least squares on the *relative* error over (features, seconds) samples, with non-negative
+        coefficients. On absolute error a sweep's few long prefill steps dominate, and collinear
+        features (a fresh prefill's context equals its new tokens) can take negative or inflated
+        coefficients that misjudge the short steps the `slo` policy plans under a TBT target. Each row
+        is divided by its measured time; a feature whose coefficient comes out negative is dropped and
+        the rest refitted (a small active-set NNLS). A feature that is zero in every sample gets 0.
+        numpy is imported here only: calibration runs in `mmserve bench profile`, never in the scheduler."""
+        import numpy as np
+
+        pairs = list(samples)
+        x = np.array([f.vector() for f, _ in pairs], dtype=np.float64)  # [n, len(FEATURES)]
+        t = np.array([s for _, s in pairs], dtype=np.float64)  # [n]
+        if len(t) < 2 or not np.all(t > 0):
+            raise ValueError("fitting a step-time model needs at least 2 samples with positive times")
+        a = x / t[:, None]  # row i: features_i / t_i, so that a @ c - 1 is the relative error
+        active = [j for j in range(len(FEATURES)) if np.any(x[:, j] != 0)]
+        coef = np.zeros(len(FEATURES))
+        while active:
+            scale = np.abs(a[:, active]).max(axis=0)  # conditioning: columns to max |.| = 1
+            sol, *_ = np.linalg.lstsq(a[:, active] / scale, np.ones(len(t)), rcond=None)
+            sol = sol / scale
+            if np.all(sol >= 0):
+                coef[:] = 0.0
+                coef[active] = sol
+                break
+            active.pop(int(np.argmin(sol)))  # the most negative one explains nothing physical: drop it
+        return cls(dict(zip(FEATURES, coef.tolist(), strict=True)), ewma_alpha=ewma_alpha)
 
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -167,26 +178,3 @@ class StepTimeModel:
     @classmethod
     def load(cls, path: str | Path) -> StepTimeModel:
         return cls.from_json(Path(path).read_text())
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Solve a x = b (a: [n, n], symmetric positive semi-definite) by Gaussian elimination with
-    partial pivoting. A (numerically) singular direction gets 0: collinear features share the fit."""
-    n = len(b)
-    m = [[*row, b[i]] for i, row in enumerate(a)]  # [n, n + 1] augmented
-    tolerance = 1e-12 * max((abs(m[i][i]) for i in range(n)), default=0.0)
-    pivots: list[int | None] = [None] * n  # column -> row holding its pivot
-    row = 0
-    for col in range(n):
-        best = max(range(row, n), key=lambda r: abs(m[r][col]), default=None)
-        if best is None or abs(m[best][col]) <= tolerance:
-            continue
-        m[row], m[best] = m[best], m[row]
-        for r in range(n):
-            if r != row and m[r][col] != 0.0:
-                factor = m[r][col] / m[row][col]
-                for k in range(col, n + 1):
-                    m[r][k] -= factor * m[row][k]
-        pivots[col] = row
-        row += 1
-    return [0.0 if p is None else m[p][n] / m[p][col] for col, p in enumerate(pivots)]
