@@ -156,7 +156,8 @@ def simulate(
                 min(pending[0].arrival_time, clock.now + idle_step_s) if pending else clock.now + idle_step_s
             )
             continue
-        duration = cost.predict(StepFeatures.of_plan(plan))
+        features = StepFeatures.of_plan(plan)
+        duration = cost.predict(features)
         clock.now += duration
         for out in sched.update(plan, fake_run(plan)):
             trace = traces[out.request_id]
@@ -164,7 +165,7 @@ def simulate(
             if out.finished:
                 trace.finish_reason = out.finish_reason
         if feedback:
-            sched.record_step_time(plan, duration)
+            sched.record_step_time(features, duration)
     raise AssertionError("simulation did not finish")
 
 

@@ -129,8 +129,9 @@ def test_scheduler_feeds_measured_step_times_to_its_model(tmp_path: Path) -> Non
 
     sched.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=2)))
     plan = sched.schedule()
-    predicted = sched.step_time.predict(StepFeatures.of_plan(plan))
-    sched.record_step_time(plan, 3 * predicted)
+    features = StepFeatures.of_plan(plan)
+    predicted = sched.step_time.predict(features)
+    sched.record_step_time(features, 3 * predicted)
     assert sched.step_time.predict(StepFeatures.of_plan(plan)) > predicted
 
 

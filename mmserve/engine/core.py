@@ -94,7 +94,7 @@ class EngineCore:
         outputs = self.scheduler.update(plan, runner_output)
         duration_s = time.perf_counter() - start
         features = StepFeatures.of_plan(plan)  # one pass over the plan for the model and the record
-        self.scheduler.record_step_time(plan, duration_s, features)  # the step-time model's online correction
+        self.scheduler.record_step_time(features, duration_s)  # the step-time model's online correction
         self.step_history.append(
             StepRecord(
                 duration_s,

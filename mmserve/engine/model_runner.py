@@ -121,10 +121,11 @@ class ModelRunner:
                 failed.append(FailedRequest(s.request_id, s.num_computed_tokens, exc))
         if failed:
             bs = self.block_size
+            failed_ids = {f.request_id for f in failed}
             unwritten = {
                 b
                 for s in plan.scheduled
-                if s.request_id in {f.request_id for f in failed}
+                if s.request_id in failed_ids
                 for b in s.block_ids[
                     s.num_computed_tokens // bs : -(-(s.num_computed_tokens + s.num_scheduled_tokens) // bs)
                 ]

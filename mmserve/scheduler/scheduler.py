@@ -141,12 +141,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def record_step_time(
-        self, plan: SchedulerOutput, duration_s: float, features: StepFeatures | None = None
-    ) -> None:
-        """Engine feedback: the measured wall time of the step that executed `plan` (`features`: the
-        plan's StepFeatures when the caller has them already)."""
-        self.step_time.observe(features or StepFeatures.of_plan(plan), duration_s)
+    def record_step_time(self, features: StepFeatures, duration_s: float) -> None:
+        """Engine feedback: the measured wall time of the step whose plan has these features."""
+        self.step_time.observe(features, duration_s)
 
     def stats(self) -> SchedulerStats:
         slo = self.slo.counters if self.slo is not None else None

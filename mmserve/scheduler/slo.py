@@ -118,12 +118,12 @@ class SloPlanner:
         tbt_ms = self.effective_slo(request).tbt_ms
         if tbt_ms is None:
             return None
-        tbt, slack = tbt_ms / 1e3, self.config.tbt_slack_ms / 1e3
-        if slack <= 0.0 or request.first_token_time is None:
+        tbt = tbt_ms / 1e3
+        if request.first_token_time is None:
             return tbt
         # After n tokens the stream may reach token n + 1 by first + n x TBT with a mean gap <= TBT.
-        lead = request.first_token_time + request.num_output_tokens * tbt - now - tbt
-        return tbt + min(max(lead, 0.0), slack)
+        due = request.first_token_time + request.num_output_tokens * tbt
+        return min(max(due - now, tbt), tbt + self.config.tbt_slack_ms / 1e3)
 
     def remaining_prefill_s(self, request: Request) -> float:
         """Predicted seconds to compute the request's uncomputed tokens in one step of its own,
