@@ -269,12 +269,7 @@ def _add_slo_mix_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policies", default="fcfs,priority,slo")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="interactive TTFT target")
     g.add_argument("--slo-tbt-ms", type=float, default=100.0, help="interactive TBT target (judged on TPOT)")
-    g.add_argument("--step-time-model", default=None, help="`mmserve bench profile` JSON for the slo policy")
-    g.add_argument("--step-time-headroom", type=float, default=0.1, help="the slo policy's TBT headroom")
-    g.add_argument("--tbt-slack-ms", type=float, default=0.0,
-                   help="the slo policy's lend of a stream's lead on its TBT pace (TPOT is a mean)")  # fmt: skip
-    g.add_argument("--batch-min-share", type=float, default=0.1,
-                   help="the slo policy's share of each step kept for batch work")  # fmt: skip
+    _add_slo_planner_flags(g)
 
 
 def _add_bench_profile_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -477,10 +472,15 @@ def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
                    help="default time-between-tokens target of interactive requests (0: none)")  # fmt: skip
     g.add_argument("--admission-control", default="off", choices=["off", "downgrade", "reject"],
                    help="a chat whose TTFT cannot be met: run it as batch, or refuse it with 429")  # fmt: skip
-    g.add_argument("--step-time-model", default=None,
-                   help="step-time model JSON written by `mmserve bench profile`")  # fmt: skip
     g.add_argument("--max-batch-decode-skips", type=int, default=4,
                    help="a batch decode waits at most this many steps in a row")  # fmt: skip
+    _add_slo_planner_flags(g)
+
+
+def _add_slo_planner_flags(g: argparse._ArgumentGroup) -> None:
+    """How the `slo` policy plans steps: shared by `serve` and `bench serve --workload slo-mix`."""
+    g.add_argument("--step-time-model", default=None,
+                   help="step-time model JSON written by `mmserve bench profile`")  # fmt: skip
     g.add_argument("--batch-min-share", type=float, default=0.1,
                    help="share of each step kept for batch work when there is some")  # fmt: skip
     g.add_argument("--step-time-headroom", type=float, default=0.1,

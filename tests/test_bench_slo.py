@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.bench.metrics import RequestTiming
-from mmserve.bench.slo_mix import BATCH, INTERACTIVE, QUICK_MIX, MixConfig, build_mix, meets, phase_metrics
+from mmserve.bench.metrics import RequestTiming, meets_slos
+from mmserve.bench.slo_mix import BATCH, INTERACTIVE, QUICK_MIX, MixConfig, build_mix, phase_metrics
 from mmserve.cli import main
 from mmserve.scheduler.step_time import FEATURES, StepFeatures, StepTimeModel
 
@@ -71,8 +71,9 @@ def test_meets_and_phase_metrics() -> None:
     slow_first = RequestTiming(0.0, (0.2, 0.21), 0.21, 10, 2)  # TTFT 200 ms
     jerky = RequestTiming(0.0, (0.05, 0.1), 0.1, 10, 2)  # TPOT 50 ms
     failed = RequestTiming(0.0, (), 0.1, 0, 0, False, "boom")
-    assert meets(fast, 100, 10) and not meets(slow_first, 100, 10) and not meets(jerky, 100, 10)
-    assert not meets(failed, 100, 10)
+    slos = {"ttft": 100.0, "tpot": 10.0}  # how phase_metrics judges chats under this cfg
+    assert meets_slos(fast, slos) and not meets_slos(slow_first, slos) and not meets_slos(jerky, slos)
+    assert not meets_slos(failed, slos)
     chat = build_mix(MixConfig(num_batch=0, duration_s=50.0), 1.0, 0, None)[0]
     job = build_mix(MixConfig(num_batch=1, duration_s=0.1, batch_input_len=(5, 5)), 1.0, 0, None)[0]
     pairs = [

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.bench.metrics import PERCENTILES, RequestTiming, summarize_ms
+from mmserve.bench.metrics import PERCENTILES, RequestTiming, meets_slos, summarize_ms
 from mmserve.bench.serve import BenchRequest, _load_tokenizer, _png_data_url, _random_text, send_http
 
 POLICIES = ("fcfs", "priority", "slo")
@@ -172,14 +172,6 @@ async def run_phase(
     return list(zip(requests, timings, strict=True)), duration
 
 
-def meets(timing: RequestTiming, ttft_ms: float, tbt_ms: float) -> bool:
-    """Interactive SLO: succeeded, first token within TTFT, mean time per output token within TBT
-    (vLLM's goodput rule for TPOT; a one-token reply has TPOT 0)."""
-    if not timing.success or timing.ttft_s is None:
-        return False
-    return timing.ttft_s * 1e3 <= ttft_ms and (timing.tpot_s or 0.0) * 1e3 <= tbt_ms
-
-
 def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: float, cfg: MixConfig) -> dict:
     """Per class figures of one (policy, load) phase."""
     out: dict[str, Any] = {"duration_s": duration_s}
@@ -192,7 +184,8 @@ def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: flo
         m["tokens"] = sum(t.prompt_tokens + t.output_tokens for t in ok)
         m["output_tokens"] = sum(t.output_tokens for t in ok)
         if name == INTERACTIVE:
-            good = sum(meets(t, cfg.ttft_ms, cfg.tbt_ms) for t in timings)
+            # vLLM's goodput rule: TBT is judged on the request's TPOT (one token: 0).
+            good = sum(meets_slos(t, {"ttft": cfg.ttft_ms, "tpot": cfg.tbt_ms}) for t in timings)
             m["slo_attainment"] = good / len(timings) if timings else None
             m["goodput_rps"] = good / duration_s
         else:
