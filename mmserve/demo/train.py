@@ -1,9 +1,9 @@
 """`mmserve train-demo`: trains the demo model, a small Qwen2-VL (transformers' own
 `Qwen2VLForConditionalGeneration`), on easy-vqa's train split plus moving-shape clips, on the CPU.
 
-One step takes a batch of media items (images and clips) with all their questions: each item goes through
-the vision tower once and its embeddings are shared by the item's question sequences (`mm_encoder_outputs`),
-so the tower costs one pass per item rather than one per question. The loss is cross-entropy on the answer
+Stage 1 trains the vision tower alone; it is then frozen and each item's embeddings are computed once.
+A decoder step takes a batch of media items (images and clips) with all their questions, each item's
+embeddings shared by its question sequences (`mm_encoder_outputs`). The loss is cross-entropy on the answer
 tokens and the `<|im_end|>` after them; the prompt is exactly what mmserve's `LLM.chat` builds.
 """
 
@@ -230,9 +230,7 @@ def _train_vision(model: Qwen2VLForConditionalGeneration, items: list[_Item], cf
         for group in opt.param_groups:  # 30 steps of warmup, cosine decay to 5%
             decay = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / cfg.vision_steps))
             group["lr"] = cfg.lr * min(1.0, (step + 1) / 30) * decay
-        grid = torch.tensor([it.grid_thw for it in batch])
-        tokens = visual(torch.cat([it.pixel_values for it in batch]), grid_thw=grid).pooler_output
-        pooled = torch.stack([t.max(0).values for t in torch.split(tokens, (grid.prod(-1) // 4).tolist())])
+        pooled = torch.stack([t.max(0).values for t in _encode(visual, batch)])
         loss = torch.zeros(())
         for key, head in heads.items():
             rows = [r for r, it in enumerate(batch) if key in it.labels]
@@ -264,10 +262,15 @@ def _freeze_vision(model: Qwen2VLForConditionalGeneration, items: list[_Item], b
             members = [it for it in items if it.kind == kind]
             for i in range(0, len(members), batch_size):
                 chunk = members[i : i + batch_size]
-                grid = torch.tensor([it.grid_thw for it in chunk])
-                embeds = visual(torch.cat([it.pixel_values for it in chunk]), grid_thw=grid).pooler_output
-                for it, e in zip(chunk, torch.split(embeds, (grid.prod(-1) // 4).tolist()), strict=True):
+                for it, e in zip(chunk, _encode(visual, chunk), strict=True):
                     it.embeds = e.clone()
+
+
+def _encode(visual: torch.nn.Module, items: list[_Item]) -> tuple[torch.Tensor, ...]:
+    """The tower (+ merger) over `items` of one kind in one call: [num_embeds, hidden] per item."""
+    grid = torch.tensor([it.grid_thw for it in items])
+    tokens = visual(torch.cat([it.pixel_values for it in items]), grid_thw=grid).pooler_output
+    return torch.split(tokens, (grid.prod(-1) // 4).tolist())  # 2x2 patches merge into one embedding
 
 
 def _grounding_view(item: _Item, yes_no: set[int]) -> _Item:
@@ -369,22 +372,12 @@ def _step_loss(
     encoder_outputs: dict[str, BaseModelOutputWithPooling] = {}
     grids: dict[str, torch.Tensor] = {}
     for kind in ("image", "video"):
-        members = [i for i, it in enumerate(batch) if it.kind == kind]
-        if not members:
-            continue
-        grid = torch.tensor([batch[i].grid_thw for i in members])
-        stored = [batch[i].embeds for i in members]
-        if all(e is not None for e in stored):  # the frozen tower's, computed once
-            per_item = dict(zip(members, stored, strict=True))
-        else:
-            pixels = torch.cat([batch[i].pixel_values for i in members])
-            embeds = model.model.visual(pixels, grid_thw=grid).pooler_output  # [sum tokens, hidden]
-            per_item = dict(zip(members, torch.split(embeds, (grid.prod(-1) // 4).tolist()), strict=True))
-        # One entry per sequence, in sequence order: the item's embeddings are shared, not recomputed.
-        encoder_outputs[kind] = BaseModelOutputWithPooling(
-            pooler_output=tuple(per_item[i] for i in seq_item if batch[i].kind == kind)
-        )
-        grids[kind] = torch.tensor([batch[i].grid_thw for i in seq_item if batch[i].kind == kind])
+        # One entry per sequence, in sequence order: the frozen tower's embeddings of its item, computed
+        # once by _freeze_vision and shared by the item's questions.
+        items = [batch[i] for i in seq_item if batch[i].kind == kind]
+        if items:
+            encoder_outputs[kind] = BaseModelOutputWithPooling(pooler_output=tuple(it.embeds for it in items))
+            grids[kind] = torch.tensor([it.grid_thw for it in items])
     hidden = model.model(
         input_ids=input_ids, attention_mask=attention_mask, mm_token_type_ids=types,
         image_grid_thw=grids.get("image"), video_grid_thw=grids.get("video"), mm_encoder_outputs=encoder_outputs,
