@@ -29,6 +29,24 @@ def test_throughput_bars_and_latency_cdfs(tmp_path: Path) -> None:
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
 
 
+def test_throughput_long_video_adds_the_step_timelines(tmp_path: Path) -> None:
+    step = {"duration_s": 0.01, "decode_tokens": 8, "prefill_tokens": 32, "encoder_tokens": 32}
+    systems = {
+        name: {
+            "system": name,
+            "output_tokens_per_s": 50.0,
+            "efficiency": 0.1,
+            "itl_p99_ms": 9.0,
+            "timeline": tl,
+        }
+        for name, tl in (("mmserve", [step] * 3), ("mmserve-no-chunk", [step]), ("hf-static", None))
+    }
+    report = {"config": {"workload": "long-video"}, "systems": systems, "output_tokens_per_s_bound": 500.0}
+    paths = plot_throughput(report, tmp_path)
+    assert [p.name for p in paths] == ["throughput-long-video.png", "throughput-long-video-steps.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
 def test_long_video_quick_writes_the_step_timeline(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine.core import StepRecord
 
 
 def _video_prompt(num_frames: int, size: int, seed: int) -> dict:
@@ -65,18 +66,23 @@ def run_once(
         "max_over_median": max(times) / statistics.median(times),
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
         "decode_tokens_per_step_min": min(s.num_decode_tokens for s in steps),
-        # Step composition while the video prefills, for the timeline plot.
-        "timeline": [
-            {
-                "duration_s": s.duration_s,
-                "encoder_duration_s": s.encoder_duration_s,
-                "decode_tokens": s.num_decode_tokens,
-                "prefill_tokens": s.num_prefill_tokens,
-                "encoder_tokens": s.num_encoder_tokens,
-            }
-            for s in steps
-        ],
+        "timeline": step_timeline(steps),  # step composition while the video prefills, for the plot
     }
+
+
+def step_timeline(steps: list[StepRecord]) -> list[dict]:
+    """Each step's time and token mix, as the JSON reports and the timeline plot take them (also used
+    by `bench throughput --workload long-video`)."""
+    return [
+        {
+            "duration_s": s.duration_s,
+            "encoder_duration_s": s.encoder_duration_s,
+            "decode_tokens": s.num_decode_tokens,
+            "prefill_tokens": s.num_prefill_tokens,
+            "encoder_tokens": s.num_encoder_tokens,
+        }
+        for s in steps
+    ]
 
 
 def bench_long_video(

@@ -1,5 +1,6 @@
-"""PNG plots of bench reports (the JSON dicts of throughput.py / serve.py): throughput bars with ratios
-and latency CDFs. matplotlib is optional and imported only here, lazily."""
+"""PNG plots of bench reports (the JSON dicts of throughput.py / serve.py / long_video.py / slo_mix.py):
+throughput bars with ratios, latency CDFs and step-composition timelines. matplotlib is optional and
+imported only here, lazily."""
 
 from __future__ import annotations
 
@@ -51,6 +52,17 @@ def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
     path = out_dir / f"throughput-{report['config'].get('workload', 'random')}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    # long-video: how chunked and unchunked mmserve composed their steps as the videos arrived.
+    runs = [
+        (
+            f"{name}: text ITL p99 {r['itl_p99_ms']:.1f} ms" if r.get("itl_p99_ms") is not None else name,
+            r["timeline"],
+        )
+        for name, r in report["systems"].items()
+        if name in ("mmserve", "mmserve-no-chunk") and r.get("timeline")
+    ]
+    if runs:
+        return [path, _plot_step_timelines(runs, out_dir / "throughput-long-video-steps.png")]
     return [path]
 
 
@@ -90,12 +102,20 @@ def plot_serve(report: dict, out_dir: Path) -> list[Path]:
 def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
     """Step composition while the long video prefills, encoder chunking on and off: decode / prefill /
     encoder tokens per step (bars) and each step's time (line, right axis)."""
+    runs = [
+        (f"encoder chunking {'on' if run['chunk_encoder'] else 'off'}", run["timeline"])
+        for run in report["runs"]
+    ]
+    return [_plot_step_timelines(runs, out_dir / "long-video-steps.png")]
+
+
+def _plot_step_timelines(runs: list[tuple[str, list[dict]]], path: Path) -> Path:
+    """One panel per (title, timeline): decode / prefill / encoder tokens per step as stacked bars and
+    the step's time as a line on the right axis."""
     plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs = report["runs"]
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs, strict=True):
-        steps = run["timeline"]
+    for ax, (title, steps) in zip(axes[:, 0], runs, strict=True):
         x = np.arange(len(steps))
         bottom = np.zeros(len(steps))
         for key, color in (
@@ -107,7 +127,7 @@ def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
             ax.bar(x, values, bottom=bottom, color=color, label=key.replace("_", " "))
             bottom += values
         ax.set_ylabel("tokens")
-        ax.set_title(f"encoder chunking {'on' if run['chunk_encoder'] else 'off'}", fontsize=9)
+        ax.set_title(title, fontsize=9)
         twin = ax.twinx()
         twin.plot(x, [s["duration_s"] * 1e3 for s in steps], color="black", marker=".", lw=1, label="step ms")
         twin.set_ylabel("step time (ms)")
@@ -115,10 +135,9 @@ def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
         ax.legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    path = out_dir / "long-video-steps.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [path]
+    return path
 
 
 def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
