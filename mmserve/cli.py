@@ -67,17 +67,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     tput.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens")
     tput.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens")
     tput.add_argument("--max-num-seqs", type=int, default=64)
-    tput.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    tput.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default 2048; long-video: 512"
+    )
+    tput.add_argument(
+        "--max-num-encoder-tokens",
+        type=int,
+        default=None,
+        help="encoder budget per step (default: the token budget; long-video: 128)",
+    )
     tput.add_argument("--hf-batch-size", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
     tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
     tput.add_argument("--workload", default="random", choices=list(WORKLOADS))
     tput.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
     tput.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
-    tput.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
-    tput.add_argument("--quick", action="store_true", help="16 short requests: a smoke run")
     tput.add_argument(
-        "--plot", type=Path, default=None, help="write throughput bar PNGs here (needs matplotlib)"
+        "--num-frames",
+        type=int,
+        default=None,
+        help="random-mm: frames of one video per prompt (default 0: none); long-video: frames per video (64)",
+    )
+    tput.add_argument(
+        "--video-size", type=int, default=None, help="frame side in pixels (random-mm 112, long-video 224)"
+    )
+    tput.add_argument("--num-videos", type=int, default=2, help="long-video: video requests arriving")
+    tput.add_argument(
+        "--video-interval-steps",
+        type=int,
+        default=8,
+        help="long-video: engine steps between video arrivals (the first comes 4 steps after the text "
+        "prompts could have prefilled)",
+    )
+    tput.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
+    tput.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32): a smoke run",
+    )
+    tput.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write throughput bar PNGs here, and for long-video the step timelines (needs matplotlib)",
     )
 
     video = bench_sub.add_parser("long-video", help="step times while a long video joins running decodes")
@@ -184,9 +216,18 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         _parse_range(args.input_len),
         _parse_range(args.output_len),
     )
-    prefix_len = args.prefix_len
+    prefix_len, num_videos = args.prefix_len, args.num_videos
+    long_video = args.workload == "long-video"
+    # Per-workload defaults: long-video has long videos under a small budget, so chunking shows.
+    num_frames = args.num_frames if args.num_frames is not None else 64 if long_video else 0
+    video_size = args.video_size or (224 if long_video else 112)
+    budget = args.max_num_batched_tokens or (512 if long_video else 2048)
+    encoder_budget = args.max_num_encoder_tokens or (128 if long_video else None)
     if args.quick:
         num_prompts, input_len, output_len, prefix_len = 16, (8, 32), (4, 32), min(prefix_len, 128)
+        if long_video:
+            num_prompts, num_videos, num_frames, video_size = 8, min(num_videos, 2), 16, 112
+            output_len, budget, encoder_budget = (2, 8), 64, 32  # outputs then cover the videos, no more
     try:
         report = bench_throughput(
             model,
@@ -195,7 +236,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             input_len,
             output_len,
             args.max_num_seqs,
-            args.max_num_batched_tokens,
+            budget,
             args.hf_batch_size,
             args.seed,
             args.json,
@@ -204,6 +245,11 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             image_size=args.image_size,
             prefix_len=prefix_len,
             progress=True,
+            num_frames=num_frames,
+            video_size=video_size,
+            num_videos=num_videos,
+            video_interval_steps=args.video_interval_steps,
+            max_num_encoder_tokens=encoder_budget,
         )
     except ValueError as exc:
         print(str(exc), file=sys.stderr)

@@ -1,5 +1,6 @@
-"""`mmserve bench throughput --quick` on the tiny model with each system once: the text, prefix and image
-workloads, transformers' continuous batching, mmserve's step-time split, and greedy-token agreement."""
+"""`mmserve bench throughput --quick` on the tiny model with each system once: the text, prefix, image and
+image + video workloads, transformers' continuous batching, mmserve's step-time split, greedy-token
+agreement, and long-video (videos arriving into running decodes, encoder chunking on and off)."""
 
 from __future__ import annotations
 
@@ -14,31 +15,32 @@ from mmserve.cli import main
 SPLIT_KEYS = {"forward", "encoder", "sampling", "host_overhead"}
 
 
+def run_quick(model: Path, out: Path, workload: str, systems: list[str], *extra: str) -> dict:
+    argv = ["bench", "throughput", "--model", str(model), "--quick", "--workload", workload]
+    argv += ["--systems", ",".join(systems), "--hf-batch-size", "8", "--json", str(out), *extra]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.parametrize(
-    ("workload", "systems"),
+    ("workload", "systems", "extra"),
     [
-        ("random", ["mmserve", "mmserve-static", "hf-cb"]),
-        ("prefix", ["mmserve-no-chunk", "hf-static"]),
-        ("random-mm", ["mmserve", "hf-static"]),
+        ("random", ["mmserve", "mmserve-static", "hf-cb"], []),
+        ("prefix", ["mmserve-no-chunk", "hf-static"], []),
+        ("random-mm", ["mmserve", "hf-static"], []),
+        # An image and a 4-frame video per prompt; transformers gets mmserve's video pixels.
+        ("random-mm", ["mmserve", "hf-static"], ["--num-frames", "4", "--video-size", "56"]),
     ],
+    ids=["random", "prefix", "random-mm", "random-mm-video"],
 )
 def test_bench_throughput_quick(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path, workload: str, systems: list[str]
+    tiny_model_dir: Callable[[str], Path],
+    tmp_path: Path,
+    workload: str,
+    systems: list[str],
+    extra: list[str],
 ) -> None:
-    out = tmp_path / "tput.json"
-    argv = ["bench", "throughput", "--model", str(tiny_model_dir("qwen2_vl")), "--quick"]
-    argv += [
-        "--workload",
-        workload,
-        "--systems",
-        ",".join(systems),
-        "--hf-batch-size",
-        "8",
-        "--json",
-        str(out),
-    ]
-    assert main(argv) == 0
-    report = json.loads(out.read_text())
+    report = run_quick(tiny_model_dir("qwen2_vl"), tmp_path / "tput.json", workload, systems, *extra)
     assert report["config"]["workload"] == workload
     assert list(report["systems"]) == systems
     for name, r in report["systems"].items():
@@ -55,6 +57,39 @@ def test_bench_throughput_quick(
     assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
 
 
-def test_hf_cb_refuses_image_workloads(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_long_video_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    systems = ["mmserve", "mmserve-no-chunk", "hf-static"]
+    report = run_quick(tiny_model_dir("qwen2_vl"), tmp_path / "lv.json", "long-video", systems)
+    assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
+    video_tokens = report["workload"]["video_tokens"]
+    assert video_tokens > 32 and len(report["workload"]["video_arrival_steps"]) == 2
+    timelines = {}
+    for name in ("mmserve", "mmserve-no-chunk"):
+        r = report["systems"][name]
+        assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
+        assert 0 < r["median_step_s"] <= r["max_step_s"]
+        timelines[name] = r["timeline"]
+        assert len(r["timeline"]) > 1
+        assert r["max_encoder_tokens_in_a_step"] == max(s["encoder_tokens"] for s in r["timeline"])
+    # Chunked: each video's encoder work spread over steps under the 32-token encoder budget, beside
+    # the running decodes. Unchunked: some step encodes a whole video (and runs no decodes).
+    chunked, whole = timelines["mmserve"], timelines["mmserve-no-chunk"]
+    assert max(s["encoder_tokens"] for s in chunked) <= 32 < video_tokens
+    assert any(s["encoder_tokens"] and s["decode_tokens"] for s in chunked)
+    assert any(s["encoder_tokens"] >= video_tokens and not s["decode_tokens"] for s in whole)
+    assert report["systems"]["hf-static"]["itl_p99_ms"] is None  # static batches: no arrivals, no ITL
+    assert report["p99_itl_chunk_over_no_chunk"] > 0
+    assert report["throughput_cost_of_chunking"] < 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--workload", "random-mm", "--systems", "hf-cb"],
+        ["--workload", "long-video", "--systems", "hf-cb"],
+        ["--workload", "random-mm", "--num-images", "0", "--systems", "mmserve"],  # and no video
+    ],
+)
+def test_refused_workloads(tiny_model_dir: Callable[[str], Path], args: list[str]) -> None:
     argv = ["bench", "throughput", "--model", str(tiny_model_dir("qwen2_vl")), "--quick"]
-    assert main([*argv, "--workload", "random-mm", "--systems", "hf-cb"]) == 2
+    assert main([*argv, *args]) == 2

@@ -2,4 +2,4 @@
 
 # Systems `mmserve bench throughput` compares (torch-free here so the CLI can list them cheaply).
 SYSTEMS = ("mmserve", "mmserve-no-chunk", "mmserve-static", "hf-static", "hf-cb")
-WORKLOADS = ("random", "random-mm", "prefix")
+WORKLOADS = ("random", "random-mm", "prefix", "long-video")

@@ -9,19 +9,29 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from mmserve.bench import SYSTEMS, WORKLOADS
+
+if TYPE_CHECKING:
+    from mmserve import LLM, SamplingParams
 
 
 @dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]  # token ids as the engine sees them (media placeholders expanded)
     output_lens: list[int]
-    # random-mm: per request the chat-templated text with placeholders and its images (PIL); the
-    # engine gets these, transformers gets `prompts` plus its own image processor's pixels.
-    mm_prompts: list[dict] | None = None
+    # random-mm / long-video: per request the chat-templated text with placeholders and its images (PIL)
+    # and videos ([T, H, W, 3] uint8), or None for a text request (the engine gets its `prompts` ids);
+    # transformers gets `prompts` plus pixels from its own image processor (videos: mmserve's, see
+    # _hf_media_kwargs).
+    mm_prompts: list[dict | None] | None = None
+    # long-video: the driver step after which each request is added (None: all at once, as generate()).
+    arrival_steps: list[int] | None = None
+    video_tokens: int = 0  # placeholder tokens of one video (0: no videos)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -30,6 +40,9 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
+
+    def is_text(self, i: int) -> bool:
+        return self.mm_prompts is None or self.mm_prompts[i] is None
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,17 @@ class SystemResult:
     kv_cache_peak_usage: float | None = None
     # mmserve only: fractions of the timed run (forward, encoder, sampling, host overhead), see StepTimer
     step_time_split: dict | None = None
+    # mmserve only: the token budget it ran with (systems that never chunk a prefill get at least the
+    # longest prompt, as vLLM without chunked prefill: otherwise it could not be admitted).
+    max_num_batched_tokens: int | None = None
+    # long-video, mmserve only: inter-token latency of the text decodes (gaps between consecutive tokens
+    # of one request, pooled over the text requests), step times, and every timed step's composition.
+    itl_p50_ms: float | None = None
+    itl_p99_ms: float | None = None
+    max_step_s: float | None = None
+    median_step_s: float | None = None
+    max_encoder_tokens_in_a_step: int | None = None
+    timeline: list[dict] | None = None
 
 
 def random_workload(
@@ -80,6 +104,33 @@ def _template(body: str) -> str:
     )
 
 
+_IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+_VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
+FIRST_VIDEO_STEP = 4  # long-video: steps after the text prefills before the first video arrives
+VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
+
+
+def _random_frames(np_rng: np.random.Generator, num_frames: int, size: int) -> np.ndarray:
+    return np_rng.integers(0, 255, (num_frames, size, size, 3), dtype=np.uint8)  # [T, H, W, 3]
+
+
+def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
+    """The engine's token ids of each prompt (placeholders expanded by mmserve's own processor; nothing
+    runs, the KV pool is only big enough that the model's own context limit applies), and the
+    placeholder length of the last video seen (0: none)."""
+    from mmserve import LLM, SamplingParams
+
+    processor = LLM(model_dir, num_kv_blocks=4096).processor
+    ids, video_tokens = [], 0
+    for i, p in enumerate(prompts):
+        request = processor.process(p, SamplingParams(max_tokens=1), f"w{i}")[0]
+        ids.append(request.prompt_token_ids)
+        video_tokens = next(
+            (m.placeholder.length for m in request.mm_inputs if m.modality == "video"), video_tokens
+        )
+    return ids, video_tokens
+
+
 def random_mm_workload(
     model_dir: Path,
     num_prompts: int,
@@ -88,34 +139,79 @@ def random_mm_workload(
     num_images: int = 1,
     image_size: int = 64,
     seed: int = 0,
+    num_frames: int = 0,
+    video_size: int = 112,
 ) -> Workload:
-    """Each prompt: `num_images` random images of `image_size`^2 pixels (distinct, so no cache hits) and
-    a random text; `prompts` holds the engine's expanded token ids (from mmserve's own processor)."""
-    import numpy as np
+    """Each prompt: `num_images` random images of `image_size`^2 pixels, then (num_frames > 0) one video
+    of `num_frames` random `video_size`^2 frames, all distinct (no cache hits), and a random text."""
     from PIL import Image
 
-    from mmserve import LLM, SamplingParams
-
+    if num_images < 0 or num_frames < 0 or num_images + num_frames == 0:
+        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     words = "red blue green circle square shape image count colour left right top bottom".split()
-    mm_prompts = []
+    mm_prompts: list[dict | None] = []
     for _ in range(num_prompts):
         images = [
             Image.fromarray(np_rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8))
             for _ in range(num_images)
         ]
+        videos = [_random_frames(np_rng, num_frames, video_size)] if num_frames else []
         text = " ".join(rng.choice(words) for _ in range(rng.randint(*input_len)))
-        marks = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
-        mm_prompts.append({"prompt": _template(marks + text), "images": images})
-    # Expand the placeholders once with the engine's processor (a small KV pool: nothing runs).
-    processor = LLM(model_dir, num_kv_blocks=64).processor
-    ids = [
-        processor.process(p, SamplingParams(max_tokens=1), f"mm{i}")[0].prompt_token_ids
-        for i, p in enumerate(mm_prompts)
-    ]
+        marks = _IMAGE_MARK * num_images + _VIDEO_MARK * len(videos)
+        mm_prompts.append({"prompt": _template(marks + text), "images": images, "videos": videos})
+    ids, video_tokens = _expand(model_dir, mm_prompts)
     out_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
-    return Workload(ids, out_lens, mm_prompts)
+    return Workload(ids, out_lens, mm_prompts, video_tokens=video_tokens)
+
+
+def long_video_workload(
+    model_dir: Path,
+    vocab_size: int,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    num_videos: int,
+    num_frames: int,
+    video_size: int,
+    interval_steps: int,
+    max_num_batched_tokens: int,
+    max_num_encoder_tokens: int,
+    seed: int = 0,
+) -> Workload:
+    """`num_prompts` random text requests added at once, then `num_videos` video requests (one random
+    video and a short question each) added one every `interval_steps` driver steps, the first
+    FIRST_VIDEO_STEP steps after the text prompts could have prefilled at the token budget. The
+    schedule counts steps, not seconds, so every mmserve system sees the same arrivals.
+
+    Text outputs are the random lengths plus enough steps to outlast every video's chunked prefill
+    (budget left beside the decodes, or the encoder budget, whichever is smaller), so the videos
+    always arrive into a steady set of decodes."""
+    if num_videos < 1 or num_frames < 1 or interval_steps < 1:
+        raise ValueError("long-video needs --num-videos, --num-frames and --video-interval-steps >= 1")
+    text = random_workload(vocab_size, num_prompts, input_len, output_len, seed)
+    np_rng = np.random.default_rng(seed + 1)
+    videos = [
+        {
+            "prompt": _template(_VIDEO_MARK + f"What happens in clip {j}?"),
+            "videos": [_random_frames(np_rng, num_frames, video_size)],
+        }
+        for j in range(num_videos)
+    ]
+    video_ids, video_tokens = _expand(model_dir, videos)
+    first = -(-text.num_prompt_tokens // max_num_batched_tokens) + FIRST_VIDEO_STEP
+    arrivals = [first + j * interval_steps for j in range(num_videos)]
+    per_step = max(1, min(max_num_batched_tokens - num_prompts, max_num_encoder_tokens))
+    prefill_steps = sum(-(-len(p) // per_step) for p in video_ids)
+    cover = arrivals[-1] + prefill_steps + VIDEO_OUTPUT_LEN
+    return Workload(
+        prompts=text.prompts + video_ids,
+        output_lens=[n + cover for n in text.output_lens] + [VIDEO_OUTPUT_LEN] * num_videos,
+        mm_prompts=[None] * num_prompts + videos,
+        arrival_steps=[0] * num_prompts + arrivals,
+        video_tokens=video_tokens,
+    )
 
 
 class StepTimer:
@@ -195,62 +291,220 @@ def dense_token_rate(
     return num_tokens / best
 
 
-def run_mmserve(
-    model_dir: Path, workload: Workload, policy: str, max_num_seqs: int, max_num_batched_tokens: int
-) -> tuple[float, float, list[list[int]], dict]:
-    from mmserve import LLM, SamplingParams
+# system -> (scheduler policy, encoder chunking). mmserve-no-chunk is vLLM without chunked prefill:
+# whole prefills, each media item encoded whole in the step that reaches it.
+MMSERVE_SYSTEMS = {
+    "mmserve": ("fcfs", True),
+    "mmserve-no-chunk": ("no_chunk", False),
+    "mmserve-static": ("static", True),
+}
 
-    llm = LLM(
+
+@dataclass(frozen=True)
+class MmserveRun:
+    elapsed_s: float
+    kv_cache_peak_usage: float
+    tokens: list[list[int]]  # per request, in workload order
+    step_time_split: dict
+    max_num_batched_tokens: int
+    arrivals: dict | None = None  # long-video: the arrival driver's latency fields, see _arrival_stats
+
+
+def _make_llm(
+    model_dir: Path,
+    system: str,
+    workload: Workload,
+    max_num_seqs: int,
+    budget: int,
+    encoder_budget: int | None,
+) -> LLM:
+    from mmserve import LLM
+
+    policy, chunk_encoder = MMSERVE_SYSTEMS[system]
+    if policy in ("no_chunk", "static"):  # these refuse a prompt longer than the budget
+        budget = max(budget, max(len(p) for p in workload.prompts))
+    return LLM(
         model_dir,
         scheduler_policy=policy,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_batched_tokens=budget,
+        max_num_encoder_tokens=encoder_budget,
+        chunk_encoder=chunk_encoder,
     )
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
-    prompts = workload.mm_prompts or workload.prompts
-    # Warm-up on other requests than the measured ones (no prefix-cache hits for the timed run).
-    warm = [p[::-1] for p in workload.prompts[:2]]
-    if workload.mm_prompts is not None:
-        from PIL import ImageOps
 
-        warm = [
-            {"prompt": p["prompt"], "images": [ImageOps.invert(im) for im in p["images"]]}
-            for p in workload.mm_prompts[:2]
-        ]
-    llm.generate(warm, params[:2])
+
+def _engine_prompts(workload: Workload) -> list:
+    """What the engine is given per request: the media prompt dict, or the token ids of a text one."""
+    if workload.mm_prompts is None:
+        return list(workload.prompts)
+    return [m if m is not None else p for m, p in zip(workload.mm_prompts, workload.prompts, strict=True)]
+
+
+def _warm_up(llm: LLM, workload: Workload) -> None:
+    """The first and last requests with other content (no prefix- or encoder-cache hits in the timed
+    run): text reversed, images inverted, videos cut to 4 inverted frames."""
+    from PIL import ImageOps
+
+    from mmserve import SamplingParams
+
+    prompts = _engine_prompts(workload)
+    warm = []
+    for p in (prompts[0], prompts[-1]):
+        if isinstance(p, dict):
+            p = {
+                "prompt": p["prompt"],
+                "images": [ImageOps.invert(im) for im in p.get("images", [])],
+                "videos": [255 - v[:4] for v in p.get("videos", [])],
+            }
+        else:
+            p = p[::-1]
+        warm.append(p)
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+
+
+def run_mmserve(
+    model_dir: Path,
+    workload: Workload,
+    system: str,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_num_encoder_tokens: int | None = None,
+) -> MmserveRun:
+    """All requests through `LLM.generate` at once, or (long-video) through the arrival driver."""
+    from mmserve import SamplingParams
+
+    llm = _make_llm(model_dir, system, workload, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    _warm_up(llm, workload)
+    arrivals = None
     timer = StepTimer(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    if workload.arrival_steps is None:
+        start = time.perf_counter()
+        outputs = llm.generate(_engine_prompts(workload), params)
+        elapsed = time.perf_counter() - start
+        tokens = [o.token_ids for o in outputs]
+    else:
+        elapsed, tokens, stamps = _drive_arrivals(llm, workload, params)
+        arrivals = _arrival_stats(llm, workload, stamps)
     timer.remove()
     stats = llm.stats()
-    peak = stats.peak_num_used_blocks / stats.num_total_blocks
-    return elapsed, peak, [o.token_ids for o in outputs], timer.split(elapsed)
+    return MmserveRun(
+        elapsed_s=elapsed,
+        kv_cache_peak_usage=stats.peak_num_used_blocks / stats.num_total_blocks,
+        tokens=tokens,
+        step_time_split=timer.split(elapsed),
+        max_num_batched_tokens=llm.engine.scheduler_config.max_num_batched_tokens,
+        arrivals=arrivals,
+    )
+
+
+def _drive_arrivals(
+    llm: LLM, workload: Workload, params: list[SamplingParams]
+) -> tuple[float, list[list[int]], list[list[float]]]:
+    """Steps the engine by hand, adding request i after `arrival_steps[i]` steps and stamping each
+    output token with the time its step returned. Returns (elapsed, tokens, stamps) per request.
+
+    Every request is preprocessed before the loop (a server does it off the engine loop, in its decode
+    pool, so it must not show as a stall of the decodes); that time still counts in `elapsed`, as it
+    does in generate() and in hf-static's image processing."""
+    from mmserve.errors import EngineDeadError
+
+    engine, processor = llm.engine, llm.processor
+    start = time.perf_counter()
+    requests = [
+        processor.process(p, sp, f"r{i}")[0]
+        for i, (p, sp) in enumerate(zip(_engine_prompts(workload), params, strict=True))
+    ]
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    pending = sorted(zip(workload.arrival_steps or [], requests, strict=True), key=lambda a: a[0])
+    pending.reverse()  # popped from the end: earliest arrival last
+    tokens: list[list[int]] = [[] for _ in requests]
+    stamps: list[list[float]] = [[] for _ in requests]
+    engine.step_history.clear()
+    step = idle = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[-1][0] <= step:
+            engine.add_request(pending.pop()[1])
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            i = order[out.request_id]
+            tokens[i].extend(out.new_token_ids)
+            stamps[i].extend([now] * len(out.new_token_ids))
+        step += 1
+        # Nothing produced, nothing running and nothing left to arrive: nothing ever will (as generate()).
+        idle = 0 if outputs or engine.scheduler.running or pending else idle + 1
+        if idle > 1:
+            raise EngineDeadError("the scheduler admits nothing while no request runs")
+    return time.perf_counter() - start, tokens, stamps
+
+
+def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]]) -> dict:
+    """ITL percentiles of the text requests and the composition and time of every timed step."""
+    from mmserve.bench.long_video import step_timeline
+
+    gaps = np.concatenate(
+        [np.diff(s) for i, s in enumerate(stamps) if workload.is_text(i) and len(s) > 1] or [np.zeros(0)]
+    )  # [num gaps] seconds
+    steps = list(llm.engine.step_history)
+    times = [s.duration_s for s in steps]
+    return {
+        "itl_p50_ms": float(np.percentile(gaps, 50)) * 1e3 if len(gaps) else None,
+        "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3 if len(gaps) else None,
+        "max_step_s": max(times),
+        "median_step_s": float(np.median(times)),
+        "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
+        "timeline": step_timeline(steps),
+    }
 
 
 def _hf_media_kwargs(
     model: torch.nn.Module, model_dir: Path, workload: Workload, idx: list[int], ids: torch.Tensor
 ) -> dict:
-    """random-mm: pixels from transformers' own image processor for the batch's images, in order."""
+    """Media inputs of the batch's requests, in order: images through transformers' own image processor;
+    videos through mmserve's frame-by-frame preprocessing (transformers' video processor needs
+    torchvision), as tests/test_mm_parity.py. Token types mark image (1) and video (2) placeholders."""
     if workload.mm_prompts is None:
         return {}
-    from transformers import AutoImageProcessor
-
-    images = [im for i in idx for im in workload.mm_prompts[i]["images"]]
-    px = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+    prompts = [workload.mm_prompts[i] for i in idx if workload.mm_prompts[i] is not None]
+    images = [im for p in prompts for im in p.get("images", [])]
+    videos = [v for p in prompts for v in p.get("videos", [])]
+    if not images and not videos:
+        return {}
     cfg = model.config
-    types = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
-    return {
-        "pixel_values": px["pixel_values"],
-        "image_grid_thw": px["image_grid_thw"],
-        "mm_token_type_ids": types,
+    kwargs = {
+        "mm_token_type_ids": (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
     }
+    if images:
+        from transformers import AutoImageProcessor
+
+        px = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
+        kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
+    if videos:
+        from mmserve.encoders.media import DEFAULT_LIMITS
+        from mmserve.encoders.preprocess import load_preprocess_config, preprocess_video
+
+        vcfg = load_preprocess_config(model_dir, "video")
+        processed = [preprocess_video(v, vcfg) for v in videos]
+        kwargs.update(
+            pixel_values_videos=torch.cat([p.pixel_values for p in processed]),
+            video_grid_thw=torch.tensor([p.grid_thw for p in processed]),
+        )
+        if cfg.model_type == "qwen2_5_vl":  # arrays are taken at the default sampling rate, as mmserve
+            kwargs["second_per_grid_ts"] = torch.tensor(
+                [vcfg.temporal_patch_size / DEFAULT_LIMITS.video_fps] * len(processed)
+            )
+    return kwargs
 
 
 def run_hf_static(
     model: torch.nn.Module, workload: Workload, batch_size: int, pad_id: int, model_dir: Path | None = None
 ) -> tuple[float, list[list[int]]]:
-    """transformers generate() in fixed batches, left padded, each batch running to its longest request."""
+    """transformers generate() in fixed batches, left padded, each batch running to its longest request.
+
+    long-video: the batches follow arrival order (workload order: the texts, then the videos), but the
+    arrival steps do not apply: a static batch takes no request once it runs, so a video simply waits
+    for the batch before it, and no ITL is reported."""
     order = list(range(len(workload.prompts)))
     results: list[list[int]] = [[] for _ in order]
     start = time.perf_counter()
@@ -356,6 +610,11 @@ def bench_throughput(
     image_size: int = 64,
     prefix_len: int = 512,
     progress: bool = False,
+    num_frames: int = 0,
+    video_size: int = 112,
+    num_videos: int = 2,
+    video_interval_steps: int = 8,
+    max_num_encoder_tokens: int | None = None,
 ) -> dict:
     from tqdm import tqdm
 
@@ -366,17 +625,31 @@ def bench_throughput(
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     if workload_name not in WORKLOADS:
         raise ValueError(f"unknown workload {workload_name!r}; choose from {WORKLOADS}")
-    if workload_name == "random-mm" and "hf-cb" in systems:
+    if workload_name in ("random-mm", "long-video") and "hf-cb" in systems:
         raise ValueError("hf-cb runs text workloads only (random, prefix)")
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
     if workload_name == "random":
         workload = random_workload(cfg.vocab_size, num_prompts, input_len, output_len, seed)
     elif workload_name == "prefix":
         workload = prefix_workload(cfg.vocab_size, num_prompts, prefix_len, input_len, output_len, seed)
-    else:
+    elif workload_name == "random-mm":
         workload = random_mm_workload(
-            model_dir, num_prompts, input_len, output_len, num_images, image_size, seed
+            model_dir,
+            num_prompts,
+            input_len,
+            output_len,
+            num_images,
+            image_size,
+            seed,
+            num_frames,
+            video_size,
         )
+    else:
+        workload = long_video_workload(
+            model_dir, cfg.vocab_size, num_prompts, input_len, output_len, num_videos, num_frames,
+            video_size, video_interval_steps, max_num_batched_tokens,
+            max_num_encoder_tokens or max_num_batched_tokens, seed,
+        )  # fmt: skip
     hf_model = load_hf_model(model_dir)
     roofline = dense_token_rate(hf_model, cfg.vocab_size)
     bound = workload.num_output_tokens / (
@@ -385,27 +658,34 @@ def bench_throughput(
     results: dict[str, SystemResult] = {}
     tokens: dict[str, list[list[int]]] = {}
     for system in tqdm(systems, desc="bench throughput", disable=not progress):
-        peak = split = None
+        run = None
         if system == "hf-static":
             elapsed, tokens[system] = run_hf_static(hf_model, workload, hf_batch_size, 0, model_dir)
         elif system == "hf-cb":
             elapsed, tokens[system] = run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens)
         else:
-            policy = {"mmserve": "fcfs", "mmserve-no-chunk": "no_chunk", "mmserve-static": "static"}[system]
-            elapsed, peak, tokens[system], split = run_mmserve(
-                model_dir, workload, policy, max_num_seqs, max_num_batched_tokens
+            run = run_mmserve(
+                model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens
             )
+            elapsed, tokens[system] = run.elapsed_s, run.tokens
         gc.collect()
+        mmserve_fields = {}
+        if run is not None:
+            mmserve_fields = {
+                "kv_cache_peak_usage": run.kv_cache_peak_usage,
+                "step_time_split": run.step_time_split,
+                "max_num_batched_tokens": run.max_num_batched_tokens,
+                **(run.arrivals or {}),
+            }
         out_rate = workload.num_output_tokens / elapsed
         results[system] = SystemResult(
             system=system,
             elapsed_s=elapsed,
-            requests_per_s=num_prompts / elapsed,
+            requests_per_s=len(workload.prompts) / elapsed,
             output_tokens_per_s=out_rate,
             total_tokens_per_s=(workload.num_prompt_tokens + workload.num_output_tokens) / elapsed,
             efficiency=out_rate / bound,
-            kv_cache_peak_usage=peak,
-            step_time_split=split,
+            **mmserve_fields,
         )
     if "hf-static" in results:
         base = results["hf-static"].output_tokens_per_s
@@ -420,12 +700,17 @@ def bench_throughput(
             "workload": workload_name,
             "num_images": num_images if workload_name == "random-mm" else 0,
             "image_size": image_size if workload_name == "random-mm" else None,
+            "num_frames": num_frames if workload_name in ("random-mm", "long-video") else 0,
+            "video_size": video_size if workload.video_tokens else None,
+            "num_videos": num_videos if workload_name == "long-video" else None,
+            "video_interval_steps": video_interval_steps if workload_name == "long-video" else None,
             "prefix_len": prefix_len if workload_name == "prefix" else None,
             "num_prompts": num_prompts,
             "input_len": input_len,
             "output_len": output_len,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_encoder_tokens": max_num_encoder_tokens,
             "hf_batch_size": hf_batch_size,
             "seed": seed,
             "torch_threads": torch.get_num_threads(),
@@ -433,6 +718,11 @@ def bench_throughput(
         "workload": {
             "prompt_tokens": workload.num_prompt_tokens,
             "output_tokens": workload.num_output_tokens,
+            "video_tokens": workload.video_tokens,  # placeholder tokens of one video
+            # long-video: the driver step after which each video request is added
+            "video_arrival_steps": [
+                a for i, a in enumerate(workload.arrival_steps or []) if not workload.is_text(i)
+            ],
         },
         "roofline_tokens_per_s": roofline,
         "output_tokens_per_s_bound": bound,
@@ -441,11 +731,24 @@ def bench_throughput(
         "outputs_differing_from_first_system": {
             k: sum(a != b for a, b in zip(v, tokens[systems[0]], strict=True)) for k, v in tokens.items()
         },
+        **_chunking_cost(results),
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _chunking_cost(results: dict[str, SystemResult]) -> dict:
+    """mmserve against mmserve-no-chunk when both ran: the tail ITL chunking buys (long-video) and the
+    throughput it costs (1 - chunked / unchunked output tokens/s; negative: chunking is faster)."""
+    chunk, whole = results.get("mmserve"), results.get("mmserve-no-chunk")
+    if chunk is None or whole is None:
+        return {}
+    cost = {"throughput_cost_of_chunking": 1 - chunk.output_tokens_per_s / whole.output_tokens_per_s}
+    if chunk.itl_p99_ms is not None and whole.itl_p99_ms:
+        cost["p99_itl_chunk_over_no_chunk"] = chunk.itl_p99_ms / whole.itl_p99_ms
+    return cost
 
 
 def format_report(report: dict) -> str:
@@ -470,4 +773,25 @@ def format_report(report: dict) -> str:
                 f"{sp['inside_runner_other']:.0%}, outside steps {sp['outside_steps']:.0%}); "
                 f"KV peak {r['kv_cache_peak_usage']:.1%}"
             )
+    for r in report["systems"].values():
+        if r.get("timeline") is not None:
+            itl = (
+                f"text ITL p50 {r['itl_p50_ms']:.1f} ms, p99 {r['itl_p99_ms']:.1f} ms"
+                if r["itl_p99_ms"] is not None
+                else "no text ITL"
+            )
+            lines.append(
+                f"{r['system']}: {itl}; step max {r['max_step_s'] * 1e3:.1f} ms, median "
+                f"{r['median_step_s'] * 1e3:.1f} ms over {len(r['timeline'])} steps; at most "
+                f"{r['max_encoder_tokens_in_a_step']} encoder tokens in a step "
+                f"(a video is {report['workload']['video_tokens']}), token budget {r['max_num_batched_tokens']}"
+            )
+    if "p99_itl_chunk_over_no_chunk" in report:
+        lines.append(
+            f"p99 text ITL, mmserve / mmserve-no-chunk: {report['p99_itl_chunk_over_no_chunk']:.2f}x"
+        )
+    if "throughput_cost_of_chunking" in report:
+        lines.append(
+            f"throughput cost of chunking (1 - mmserve / mmserve-no-chunk): {report['throughput_cost_of_chunking']:.1%}"
+        )
     return "\n".join(lines)
