@@ -281,7 +281,7 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--media-source",
         default="data-url",
         choices=["data-url", "upload"],
-        help="random-mm: how images travel",
+        help="random-mm: how images and videos travel",
     )
     p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens (approximate)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -289,6 +289,10 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens (ignore_eos)")
     p.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
     p.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
+    p.add_argument(
+        "--num-frames", type=int, default=0, help="random-mm: frames of one mp4 video per prompt (0: none)"
+    )
+    p.add_argument("--video-size", type=int, default=112, help="random-mm: video frame side in pixels")
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)"
     )
@@ -397,29 +401,35 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.quick:
         num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
     model = args.model if args.url else _bench_model(args.model)
-    report = bench_serve(
-        model=model,
-        url=args.url,
-        transports=transports,
-        workload=args.workload,
-        num_prompts=num_prompts,
-        input_len=input_len,
-        output_len=output_len,
-        num_images=args.num_images,
-        image_size=args.image_size,
-        prefix_len=min(args.prefix_len, 128) if args.quick else args.prefix_len,
-        media_source=args.media_source,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        goodput_slos=slos or None,
-        api_key=args.api_key,
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        json_path=args.json,
-        progress=not args.no_progress,
-    )
+    try:
+        report = bench_serve(
+            model=model,
+            url=args.url,
+            transports=transports,
+            workload=args.workload,
+            num_prompts=num_prompts,
+            input_len=input_len,
+            output_len=output_len,
+            num_images=args.num_images,
+            image_size=args.image_size,
+            prefix_len=min(args.prefix_len, 128) if args.quick else args.prefix_len,
+            media_source=args.media_source,
+            num_frames=args.num_frames,
+            video_size=args.video_size,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            goodput_slos=slos or None,
+            api_key=args.api_key,
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            json_path=args.json,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:  # bad workload options (e.g. random-mm with no media)
+        print(str(exc), file=sys.stderr)
+        return 2
     print(format_report(report))
     if args.plot is not None:
         from mmserve.bench.plots import plot_serve

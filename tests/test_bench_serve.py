@@ -1,5 +1,5 @@
 """`mmserve bench serve --quick` against an in-process server on the tiny model: both transports, the
-text, image (data URLs and uploads) and prefix workloads, arrivals and closed loop; the JSON has every
+text, image + video (data URLs and uploads) and prefix workloads, arrivals and closed loop; the JSON has every
 metric."""
 
 from __future__ import annotations
@@ -44,8 +44,26 @@ METRICS = [
             "0.5",
             "--max-concurrency",
             "3",
+            "--num-frames",  # an image and a 4-frame mp4 per prompt, as data URLs
+            "4",
+            "--video-size",
+            "56",
         ],
-        ["--transport", "http", "--workload", "random-mm", "--media-source", "upload", "--num-images", "2"],
+        # Two images and a video, uploaded once and sent by file id.
+        [
+            "--transport",
+            "http",
+            "--workload",
+            "random-mm",
+            "--media-source",
+            "upload",
+            "--num-images",
+            "2",
+            "--num-frames",
+            "4",
+            "--video-size",
+            "56",
+        ],
         ["--transport", "http", "--workload", "prefix", "--prefix-len", "64"],
     ],
     ids=["text-ws-http", "mm-ws-gamma-closed-loop", "mm-upload-http", "prefix-http"],
@@ -72,4 +90,6 @@ def test_bench_serve_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path
 def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--transport", "grpc"]) == 2
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
+    no_media = ["--workload", "random-mm", "--num-images", "0"]
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *no_media]) == 2
     assert "goodput" in capsys.readouterr().err

@@ -58,6 +58,16 @@ def _png_data_url(rng: np.random.Generator, size: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _mp4_data_url(rng: np.random.Generator, num_frames: int, size: int) -> str:
+    """`num_frames` random `size`^2 frames as an H.264 mp4 at the server's sampling rate (every frame
+    is kept) in a data URL."""
+    from mmserve.demo.data import encode_mp4
+    from mmserve.encoders.media import DEFAULT_LIMITS
+
+    frames = rng.integers(0, 255, (num_frames, size, size, 3), dtype=np.uint8)  # [T, H, W, 3]
+    return "data:video/mp4;base64," + base64.b64encode(encode_mp4(frames, DEFAULT_LIMITS.video_fps)).decode()
+
+
 def build_requests(
     workload: str,
     num_prompts: int,
@@ -68,12 +78,17 @@ def build_requests(
     num_images: int = 1,
     image_size: int = 64,
     prefix_len: int = 512,
+    num_frames: int = 0,
+    video_size: int = 112,
 ) -> list[BenchRequest]:
     """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` random
-    images of `image_size`^2 pixels sent as PNG data URLs (distinct per request: no cache hits);
+    images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of `num_frames`
+    random `video_size`^2 frames sent as an mp4 data URL (distinct per request: no cache hits);
     `prefix`: every prompt starts with the same text of about `prefix_len` tokens."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+    if workload == "random-mm" and (num_images < 0 or num_frames < 0 or num_images + num_frames == 0):
+        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     prefix = _random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
@@ -85,7 +100,11 @@ def build_requests(
             content = [
                 {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
                 for _ in range(num_images)
-            ] + [{"type": "text", "text": text}]
+            ]
+            if num_frames:
+                url = _mp4_data_url(np_rng, num_frames, video_size)
+                content.append({"type": "video_url", "video_url": {"url": url}})
+            content.append({"type": "text", "text": text})
         out.append(BenchRequest([{"role": "user", "content": content}], rng.randint(*output_len)))
     return out
 
@@ -216,7 +235,8 @@ class WSPool:
 async def upload_media(
     client: Any, base_url: str, requests: list[BenchRequest], headers: dict
 ) -> list[BenchRequest]:
-    """`--media-source upload`: upload each data-URL image once (before timing) and refer to it by id."""
+    """`--media-source upload`: upload each data-URL image or video once (before timing) and refer to it
+    by id."""
     out = []
     for req in requests:
         messages = []
@@ -225,18 +245,22 @@ async def upload_media(
             if isinstance(content, list):
                 parts = []
                 for part in content:
-                    url = part.get("image_url", {}).get("url", "")
+                    kind = part["type"]  # "text" | "image_url" | "video_url"
+                    url = part.get(kind, {}).get("url", "") if kind != "text" else ""
                     if url.startswith("data:"):
                         data = base64.b64decode(url.split(",", 1)[1])
+                        name, mime = (
+                            ("bench.png", "image/png") if kind == "image_url" else ("bench.mp4", "video/mp4")
+                        )
                         r = await client.post(
                             f"{base_url}/v1/files",
-                            files={"file": ("bench.png", data, "image/png")},
+                            files={"file": (name, data, mime)},
                             data={"purpose": "vision"},
                             headers=headers,
                         )
                         if r.status_code != 200:
                             raise RuntimeError(f"upload failed: HTTP {r.status_code}: {r.text[:200]}")
-                        part = {"type": "image_url", "image_url": {"url": r.json()["id"]}}
+                        part = {"type": kind, kind: {"url": r.json()["id"]}}
                     parts.append(part)
                 content = parts
             messages.append({**message, "content": content})
@@ -364,6 +388,8 @@ def bench_serve(
     image_size: int = 64,
     prefix_len: int = 512,
     media_source: str = "data-url",
+    num_frames: int = 0,
+    video_size: int = 112,
     request_rate: float = math.inf,
     burstiness: float = 1.0,
     max_concurrency: int | None = None,
@@ -388,6 +414,8 @@ def bench_serve(
         num_images,
         image_size,
         prefix_len,
+        num_frames,
+        video_size,
     )
     server = None
     if url is None:
@@ -444,6 +472,8 @@ def bench_serve(
             "output_len": list(output_len),
             "num_images": num_images if workload == "random-mm" else 0,
             "image_size": image_size,
+            "num_frames": num_frames if workload == "random-mm" else 0,
+            "video_size": video_size if workload == "random-mm" and num_frames else None,
             "media_source": media_source if workload == "random-mm" else None,
             "prefix_len": prefix_len if workload == "prefix" else None,
             "request_rate": "inf" if math.isinf(request_rate) else request_rate,
