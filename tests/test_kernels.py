@@ -25,9 +25,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)])
 def test_paged_attention_matches_dense(block_size: int, num_heads: int, num_kv_heads: int) -> None:
     torch.manual_seed(0)
-    head_dim, num_blocks = 16, 64
-    # (cached tokens before this step, new tokens this step): decodes, mid-block chunks, a fresh prefill.
-    seqs = [(0, 1), (5, 1), (17, 1), (3, 9), (0, 23), (block_size, block_size), (30, 2)]
+    head_dim, num_blocks = 16, 512
+    # (cached tokens before this step, new tokens this step): decodes, mid-block chunks, a fresh prefill,
+    # and long decodes that land in another padded group than the short ones.
+    seqs = [(0, 1), (5, 1), (17, 1), (3, 9), (0, 23), (block_size, block_size), (30, 2), (300, 1), (600, 1)]
+    decode_lens = [c + n for c, n in seqs if n == 1]
+    assert len(reference._length_buckets(decode_lens)) == 2
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
     free = torch.randperm(num_blocks).tolist()  # shuffled physical blocks
     block_tables, keys, values, queries, slots = [], [], [], [], []

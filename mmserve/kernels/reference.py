@@ -35,15 +35,17 @@ def paged_attention(
     query_start_loc[i] : query_start_loc[i + 1]; those are the last tokens of its seq_lens[i]
     context tokens, so a decode has one row and a prefill chunk many.
     block_tables: [num_seqs, max_blocks_per_seq]. Returns [num_tokens, num_heads, head_dim].
-    Decodes are batched in one padded call; prefill chunks go one by one.
+    Decodes are batched in padded calls of similar lengths (see _length_buckets); prefill chunks go
+    one by one.
     """
     out = torch.empty_like(query)
     decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
-    if decodes:
-        rows = torch.tensor([query_start_loc[i] for i in decodes], device=query.device)
-        lens = torch.tensor([seq_lens[i] for i in decodes], device=query.device)
+    for bucket in _length_buckets([seq_lens[i] for i in decodes]):
+        seqs = [decodes[j] for j in bucket]  # longest first
+        rows = torch.tensor([query_start_loc[i] for i in seqs], device=query.device)
+        lens = torch.tensor([seq_lens[i] for i in seqs], device=query.device)
         out[rows] = _decode_attention(
-            query[rows], kv_cache, block_tables[decodes], lens, max(seq_lens[i] for i in decodes), scale
+            query[rows], kv_cache, block_tables[seqs], lens, seq_lens[seqs[0]], scale
         )
     for i in range(len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -51,11 +53,33 @@ def paged_attention(
             continue
         key, value = _gather_kv(kv_cache, block_tables[i], seq_lens[i])  # [seq_len, num_kv_heads, head_dim]
         num_q, seq_len = end - start, seq_lens[i]
+        if num_q == seq_len:  # nothing cached before the chunk: plain causal, SDPA's fast path
+            out[start:end] = _sdpa(query[start:end], key, value, None, scale)
+            continue
         # Query j sits at position seq_len - num_q + j and sees keys up to there.
         q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)
         mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [num_q, seq_len]
         out[start:end] = _sdpa(query[start:end], key, value, mask, scale)
     return out
+
+
+_BUCKET_SLACK_TOKENS = 256
+
+
+def _length_buckets(lens: list[int]) -> list[list[int]]:
+    """Indices into `lens` grouped for padded decode attention, longest first within and across groups.
+    A sequence joins the current group if padding it to the group's longest at most doubles its length
+    or adds at most _BUCKET_SLACK_TOKENS: one long video's decode would otherwise pad every short chat
+    in the batch to the video's length (measured: 63 decodes beside one of 2,070 tokens took 1.3 s a
+    step instead of 0.15 s)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lens)), key=lens.__getitem__, reverse=True):
+        longest = lens[groups[-1][0]] if groups else 0
+        if groups and (2 * lens[i] >= longest or longest - lens[i] <= _BUCKET_SLACK_TOKENS):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _gather_kv(
@@ -95,14 +119,16 @@ def _decode_attention(
 
 
 def _sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    """query: [num_q, num_heads, head_dim]; key/value: [seq_len, num_kv_heads, head_dim]; mask: [num_q, seq_len]."""
+    """query: [num_q, num_heads, head_dim]; key/value: [seq_len, num_kv_heads, head_dim]; mask: [num_q,
+    seq_len], or None for plain causal attention (num_q == seq_len)."""
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),
         key.transpose(0, 1),
         value.transpose(0, 1),
         attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )
