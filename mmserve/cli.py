@@ -276,19 +276,33 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
     p.add_argument("--transport", default="ws", help="ws, http or ws,http (the same requests over each)")
-    p.add_argument("--workload", default="random", choices=["random", "random-mm", "prefix", "slo-mix"])
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "random-mm", "prefix", "slo-mix"],
+        help="prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
+        "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a "
+        "cold miss and the others hit the caches; TTFT of the first and of the repeats are reported "
+        "apart (each transport gets a prefix of its own)",
+    )
     p.add_argument(
         "--media-source",
         default="data-url",
         choices=["data-url", "upload"],
-        help="random-mm: how images and videos travel",
+        help="random-mm, prefix: how images and videos travel (upload: each distinct one once, before timing)",
     )
     p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens (approximate)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens (approximate)")
     p.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens (ignore_eos)")
-    p.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
-    p.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
+    p.add_argument(
+        "--num-images",
+        type=int,
+        default=None,
+        help="images per prompt: random-mm, random ones (default 1); prefix, the same ones in front of "
+        "every prompt (default 0)",
+    )
+    p.add_argument("--image-size", type=int, default=64, help="random-mm, prefix: image side in pixels")
     p.add_argument(
         "--num-frames", type=int, default=0, help="random-mm: frames of one mp4 video per prompt (0: none)"
     )

@@ -1,4 +1,5 @@
-"""`mmserve.bench.metrics` on fixed synthetic timings: TTFT, TPOT, ITL, e2e, percentiles, goodput."""
+"""`mmserve.bench.metrics` on fixed synthetic timings: TTFT, TPOT, ITL, e2e, percentiles, goodput, and
+the prefix workload's first-vs-repeats TTFT."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from mmserve.bench.metrics import (
     RequestTiming,
     compute_metrics,
+    first_vs_repeats_ttft,
     format_metrics,
     meets_slos,
     parse_goodput,
@@ -75,3 +77,18 @@ def test_goodput_counts_a_request_only_if_every_slo_holds() -> None:
 def test_bad_goodput_specs_are_errors(spec: str) -> None:
     with pytest.raises(ValueError, match="goodput"):
         parse_goodput([spec])
+
+
+def test_first_vs_repeats_ttft() -> None:
+    # Request 0 is A (TTFT 100 ms); repeats B (500 ms), C (failed: left out) and D (300 ms).
+    d = RequestTiming(5.0, (5.3,), 5.3, prompt_tokens=10, output_tokens=1)
+    f = first_vs_repeats_ttft([A, B, C, d])
+    assert f["ttft_first_ms"] == pytest.approx(100)
+    assert f["ttft_repeats_median_ms"] == pytest.approx(400)
+    assert f["ttft_repeats_p90_ms"] == pytest.approx(300 + 0.9 * 200)
+    assert f["ttft_repeats_over_first"] == pytest.approx(4.0)
+    # A failed first request or no repeats: the figures that need them are None, nothing raises.
+    assert first_vs_repeats_ttft([C, A])["ttft_first_ms"] is None
+    assert first_vs_repeats_ttft([C, A])["ttft_repeats_over_first"] is None
+    assert first_vs_repeats_ttft([A])["ttft_repeats_median_ms"] is None
+    assert first_vs_repeats_ttft([]) == dict.fromkeys(f)

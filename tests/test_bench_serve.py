@@ -1,6 +1,6 @@
 """`mmserve bench serve --quick` against an in-process server on the tiny model: both transports, the
-text, image + video (data URLs and uploads) and prefix workloads, arrivals and closed loop; the JSON has every
-metric."""
+text, image + video (data URLs and uploads) and prefix workloads (text only, and behind a repeated image whose
+repeats hit the server's caches), arrivals and closed loop; the JSON has every metric."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ METRICS = [
     "output_throughput",
     "total_token_throughput",
     "request_goodput",
+]
+
+# The prefix workload's TTFT of request 0 (sent alone) against the other requests'.
+FIRST_VS_REPEATS = [
+    "ttft_first_ms",
+    "ttft_repeats_median_ms",
+    "ttft_repeats_p90_ms",
+    "ttft_repeats_over_first",
 ]
 
 
@@ -85,6 +93,35 @@ def test_bench_serve_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path
         assert m["output_throughput"] > 0 and m["mean_ttft_ms"] > 0 and m["mean_itl_ms"] > 0
         assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs
         assert len(report["requests"][transport]) == 8
+        # The in-process server's /metrics was scraped around the run.
+        assert m["server_prefix_cache_queries"] > 0 and m["server_prefix_cache_hit_rate"] is not None
+        if "prefix" in extra:
+            assert set(FIRST_VS_REPEATS) <= set(m) and None not in [m[k] for k in FIRST_VS_REPEATS], m
+
+
+@pytest.mark.parametrize("media_source", ["data-url", "upload"])
+def test_bench_serve_prefix_with_a_repeated_image(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path, media_source: str
+) -> None:
+    """One image and a shared text in front of every prompt, request 0 sent alone: every request succeeds,
+    request 0 is a cold miss on each transport (each gets a prefix of its own), and the repeats find its
+    prefix, image tokens included, in the prefix cache. No timing is asserted (shared, noisy machine)."""
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--model", str(tiny_model_dir("qwen2_vl")), "--quick", "--no-progress"]
+    argv += ["--json", str(out), "--workload", "prefix", "--prefix-len", "64", "--num-images", "1"]
+    argv += ["--media-source", media_source, "--transport", "ws,http"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["num_images"] == 1 and report["config"]["first_request_alone"] is True
+    for transport in ("ws", "http"):
+        m = report["results"][transport]
+        assert m["failed"] == 0 and m["completed"] == 8, m["errors"]
+        assert None not in [m[k] for k in FIRST_VS_REPEATS], m
+        assert m["ttft_repeats_over_first"] == pytest.approx(m["ttft_repeats_median_ms"] / m["ttft_first_ms"])
+        # Each of the 7 repeats shares at least the image and the 64-token text with request 0, and
+        # finds them cached: whole 16-token blocks of it, so at least 64 tokens per repeat.
+        assert m["server_prefix_cache_hits"] >= 7 * 64, m
+        assert m["server_prefix_cache_hit_rate"] > 0.5, m
 
 
 def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:

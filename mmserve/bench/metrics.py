@@ -128,6 +128,22 @@ def compute_metrics(
     return metrics
 
 
+def first_vs_repeats_ttft(timings: Sequence[RequestTiming]) -> dict:
+    """TTFT of request 0 against the others' (the `prefix` workload sends request 0 alone, so it is the
+    cold miss and the others share its cached prefix). Keys `ttft_first_ms`, `ttft_repeats_median_ms`,
+    `ttft_repeats_p90_ms` and `ttft_repeats_over_first` (median / first); None where a figure is
+    missing: request 0 failed before its first token, or no other request got one."""
+    first = timings[0].ttft_s if timings and timings[0].success else None
+    repeats = [t.ttft_s for t in timings[1:] if t.success and t.ttft_s is not None]
+    median = float(np.median(repeats)) * 1e3 if repeats else None
+    return {
+        "ttft_first_ms": first * 1e3 if first is not None else None,
+        "ttft_repeats_median_ms": median,
+        "ttft_repeats_p90_ms": float(np.percentile(repeats, 90.0)) * 1e3 if repeats else None,
+        "ttft_repeats_over_first": median / (first * 1e3) if median is not None and first else None,
+    }
+
+
 def format_metrics(m: dict) -> str:
     """vLLM-like text summary."""
     lines = [

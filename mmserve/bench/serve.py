@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.bench.metrics import RequestTiming, compute_metrics
+from mmserve.bench.metrics import RequestTiming, compute_metrics, first_vs_repeats_ttft
 
 WORKLOADS = ("random", "random-mm", "prefix")
 MEDIA_SOURCES = ("data-url", "upload")
@@ -75,27 +75,43 @@ def build_requests(
     output_len: tuple[int, int],
     seed: int = 0,
     tokenizer: Any | None = None,
-    num_images: int = 1,
+    num_images: int | None = None,
     image_size: int = 64,
     prefix_len: int = 512,
     num_frames: int = 0,
     video_size: int = 112,
 ) -> list[BenchRequest]:
-    """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` random
-    images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of `num_frames`
-    random `video_size`^2 frames sent as an mp4 data URL (distinct per request: no cache hits);
-    `prefix`: every prompt starts with the same text of about `prefix_len` tokens."""
+    """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` (default 1)
+    random images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of
+    `num_frames` random `video_size`^2 frames sent as an mp4 data URL (distinct per request: no cache
+    hits); `prefix`: every prompt starts with the same `num_images` (default 0) images of `image_size`^2
+    pixels (the same pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text of
+    about `prefix_len` tokens, then a random text of its own."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+    num_images = resolve_num_images(workload, num_images)
     if workload == "random-mm" and (num_images < 0 or num_frames < 0 or num_images + num_frames == 0):
         raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
+    if workload == "prefix" and num_images < 0:
+        raise ValueError("prefix: --num-images must not be negative")
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     prefix = _random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
+    # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
+    shared_images = (
+        [
+            {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
+            for _ in range(num_images)
+        ]
+        if workload == "prefix"
+        else []
+    )
     out = []
     for _ in range(num_prompts):
         text = prefix + _random_text(rng, rng.randint(*input_len), tokenizer)
         content: str | list[dict] = text
+        if shared_images:
+            content = [*shared_images, {"type": "text", "text": text}]
         if workload == "random-mm":
             content = [
                 {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
@@ -109,6 +125,15 @@ def build_requests(
     return out
 
 
+def resolve_num_images(workload: str, num_images: int | None) -> int:
+    """Images per prompt: `num_images`, or the workload's default (random-mm 1, prefix 0, random none)."""
+    if workload not in ("random-mm", "prefix"):
+        return 0
+    if num_images is not None:
+        return num_images
+    return 1 if workload == "random-mm" else 0
+
+
 def _body(req: BenchRequest) -> dict:
     return {"messages": req.messages, "max_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True,
             **req.extra}  # fmt: skip
@@ -117,8 +142,11 @@ def _body(req: BenchRequest) -> dict:
 # -- transports ------------------------------------------------------------------------------------
 
 
-async def send_http(client: Any, base_url: str, req: BenchRequest, headers: dict) -> RequestTiming:
-    """One streamed `POST /v1/chat/completions`; each non-empty content delta's arrival is recorded."""
+async def send_http(
+    client: Any, base_url: str, req: BenchRequest, headers: dict, first_token: asyncio.Event | None = None
+) -> RequestTiming:
+    """One streamed `POST /v1/chat/completions`; each non-empty content delta's arrival is recorded, and
+    `first_token` (if given) is set at the first."""
     body = {"model": "bench", **_body(req), "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     chunks: list[float] = []
@@ -140,6 +168,8 @@ async def send_http(client: Any, base_url: str, req: BenchRequest, headers: dict
                     raise RuntimeError(event["error"].get("message", "stream error"))
                 if any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
                     chunks.append(now)
+                    if first_token is not None:
+                        first_token.set()
                 if event.get("usage"):
                     usage = event["usage"]
         end = time.perf_counter()
@@ -196,7 +226,9 @@ class WSPool:
             for queue in self.queues.values():
                 queue.put_nowait((time.perf_counter(), {"type": "error", "error": {"message": str(exc)}}))
 
-    async def send(self, req: BenchRequest) -> RequestTiming:
+    async def send(self, req: BenchRequest, first_token: asyncio.Event | None = None) -> RequestTiming:
+        """One `response.create`; each non-empty text delta's arrival is recorded, and `first_token` (if
+        given) is set at the first."""
         rid = f"b{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = queue
@@ -210,6 +242,8 @@ class WSPool:
                 kind = event.get("type")
                 if kind == "response.output_text.delta" and event.get("delta"):
                     chunks.append(now)
+                    if first_token is not None:
+                        first_token.set()
                 elif kind == "error":
                     raise RuntimeError(event["error"].get("message", "error event"))
                 elif kind == "response.done":
@@ -235,8 +269,9 @@ class WSPool:
 async def upload_media(
     client: Any, base_url: str, requests: list[BenchRequest], headers: dict
 ) -> list[BenchRequest]:
-    """`--media-source upload`: upload each data-URL image or video once (before timing) and refer to it
-    by id."""
+    """`--media-source upload`: upload each distinct data-URL image or video once (before timing) and
+    refer to it by id; a URL repeated across requests (the prefix workload's images) shares one file."""
+    file_ids: dict[str, str] = {}  # data URL -> uploaded file id
     out = []
     for req in requests:
         messages = []
@@ -247,7 +282,7 @@ async def upload_media(
                 for part in content:
                     kind = part["type"]  # "text" | "image_url" | "video_url"
                     url = part.get(kind, {}).get("url", "") if kind != "text" else ""
-                    if url.startswith("data:"):
+                    if url.startswith("data:") and url not in file_ids:
                         data = base64.b64decode(url.split(",", 1)[1])
                         name, mime = (
                             ("bench.png", "image/png") if kind == "image_url" else ("bench.mp4", "video/mp4")
@@ -260,11 +295,13 @@ async def upload_media(
                         )
                         if r.status_code != 200:
                             raise RuntimeError(f"upload failed: HTTP {r.status_code}: {r.text[:200]}")
-                        part = {"type": kind, kind: {"url": r.json()["id"]}}
+                        file_ids[url] = r.json()["id"]
+                    if url in file_ids:
+                        part = {"type": kind, kind: {"url": file_ids[url]}}
                     parts.append(part)
                 content = parts
             messages.append({**message, "content": content})
-        out.append(BenchRequest(messages, req.output_len))
+        out.append(BenchRequest(messages, req.output_len, req.extra))
     return out
 
 
@@ -283,6 +320,48 @@ async def arrivals(n: int, request_rate: float, burstiness: float, seed: int) ->
         await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
 
 
+# Cache counters of mmserve's /metrics (`mmserve:NAME_total`), all in tokens.
+CACHE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
+
+
+async def scrape_cache_counters(client: Any, base_url: str) -> dict[str, float] | None:
+    """The server's cache counters, summed over labels; None when /metrics does not answer or lacks one
+    (not an mmserve server). Server-wide: other clients' requests count too."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get(f"{base_url}/metrics")
+        if r.status_code != 200:
+            return None
+        families = list(text_string_to_metric_families(r.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    values: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            name = sample.name.removeprefix("mmserve:").removesuffix("_total")
+            if sample.name.startswith("mmserve:") and name in CACHE_COUNTERS:
+                values[name] = values.get(name, 0.0) + sample.value
+    return values if len(values) == len(CACHE_COUNTERS) else None
+
+
+def cache_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """What the server's caches did between two scrapes: tokens looked up and found in the prefix
+    cache and the encoder (mm) cache, and each hit rate; every figure None when a scrape failed."""
+    figures: dict[str, float | None] = {}
+    for cache in ("prefix_cache", "mm_cache"):
+        if before is None or after is None:
+            queries = hits = None
+        else:
+            queries = after[f"{cache}_queries"] - before[f"{cache}_queries"]
+            hits = after[f"{cache}_hits"] - before[f"{cache}_hits"]
+        figures[f"server_{cache}_queries"] = queries
+        figures[f"server_{cache}_hits"] = hits
+        figures[f"server_{cache}_hit_rate"] = hits / queries if queries and hits is not None else None
+    return figures
+
+
 async def run_requests(
     url: str,
     requests: list[BenchRequest],
@@ -295,8 +374,13 @@ async def run_requests(
     progress: bool = True,
     num_sockets: int | None = None,
     media_source: str = "data-url",
-) -> tuple[list[RequestTiming], float]:
-    """Send every request (one warm-up first, not counted); returns the timings and the duration."""
+    first_alone: bool = False,
+) -> tuple[list[RequestTiming], float, dict]:
+    """Send every request (one warm-up first, not counted); returns the timings (in `requests`' order),
+    the duration and the server's cache figures over the run (`cache_figures`).
+
+    `first_alone`: request 0 goes alone and the rest wait for its first token (or its end) before the
+    arrivals start, so request 0 is a cold miss whose prefix the others find cached."""
     import httpx
     from tqdm import tqdm
 
@@ -313,35 +397,47 @@ async def run_requests(
             requests = await upload_media(client, url, requests, headers)
         if pool is not None:
             await pool.__aenter__()
-            send: Callable[[BenchRequest], Any] = pool.send
+            send: Callable[[BenchRequest, asyncio.Event | None], Any] = pool.send
         else:
 
-            async def send(req: BenchRequest) -> RequestTiming:
-                return await send_http(client, url, req, headers)
+            async def send(req: BenchRequest, first_token: asyncio.Event | None = None) -> RequestTiming:
+                return await send_http(client, url, req, headers, first_token)
 
         # Warm-up on a text of its own: no prefix- or encoder-cache hits for the measured requests.
         warm = await send(BenchRequest([{"role": "user", "content": "Warm up."}], 2))
         if not warm.success:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
 
-        async def one(req: BenchRequest) -> RequestTiming:
-            async with sem:
-                timing = await send(req)
+        async def one(req: BenchRequest, first_token: asyncio.Event | None = None) -> RequestTiming:
+            try:
+                async with sem:
+                    timing = await send(req, first_token)
+            finally:  # a request that ends without a token must not hold the rest back
+                if first_token is not None:
+                    first_token.set()
             bar.update(1)
             return timing
 
+        before = await scrape_cache_counters(client, url)
         tasks = []
         start = time.perf_counter()
-        async for i in arrivals(len(requests), request_rate, burstiness, seed):
-            tasks.append(asyncio.create_task(one(requests[i])))
+        rest = range(len(requests))  # indices sent at the arrival times
+        if first_alone and requests:
+            first_token = asyncio.Event()
+            tasks.append(asyncio.create_task(one(requests[0], first_token)))
+            await first_token.wait()
+            rest = range(1, len(requests))
+        async for i in arrivals(len(rest), request_rate, burstiness, seed):
+            tasks.append(asyncio.create_task(one(requests[rest[i]])))
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        figures = cache_figures(before, await scrape_cache_counters(client, url))
     finally:
         bar.close()
         if pool is not None:
             await pool.__aexit__(None, None, None)
         await client.aclose()
-    return list(timings), duration
+    return list(timings), duration, figures
 
 
 class InProcessServer:
@@ -384,7 +480,7 @@ def bench_serve(
     num_prompts: int = 64,
     input_len: tuple[int, int] = (16, 128),
     output_len: tuple[int, int] = (16, 256),
-    num_images: int = 1,
+    num_images: int | None = None,
     image_size: int = 64,
     prefix_len: int = 512,
     media_source: str = "data-url",
@@ -401,22 +497,34 @@ def bench_serve(
     json_path: Path | None = None,
     progress: bool = True,
 ) -> dict:
-    """Run the same requests over each transport; `url` None starts an in-process server on `model`."""
+    """Run the same requests over each transport; `url` None starts an in-process server on `model`.
+
+    `prefix` is the exception: each transport gets a prefix of its own (seed + its index), and request 0
+    is sent alone before the rest (see `run_requests`), so every transport's request 0 is a cold miss
+    and the others repeat its prefix; their TTFTs are reported apart (`first_vs_repeats_ttft`)."""
     if media_source not in MEDIA_SOURCES:
         raise ValueError(f"unknown media source {media_source!r}; choose from {MEDIA_SOURCES}")
-    requests = build_requests(
-        workload,
-        num_prompts,
-        input_len,
-        output_len,
-        seed,
-        _load_tokenizer(model),
-        num_images,
-        image_size,
-        prefix_len,
-        num_frames,
-        video_size,
-    )
+    num_images = resolve_num_images(workload, num_images)
+    tokenizer = _load_tokenizer(model)
+
+    def requests_for(index: int) -> list[BenchRequest]:
+        # prefix: a fresh shared prefix per transport, else the second would find the first's cached.
+        request_seed = seed + index if workload == "prefix" else seed
+        return build_requests(
+            workload,
+            num_prompts,
+            input_len,
+            output_len,
+            request_seed,
+            tokenizer,
+            num_images,
+            image_size,
+            prefix_len,
+            num_frames,
+            video_size,
+        )
+
+    requests = requests_for(0)  # built before any server starts: bad workload options fail fast
     server = None
     if url is None:
         if model is None:
@@ -428,8 +536,10 @@ def bench_serve(
     results: dict[str, dict] = {}
     raw: dict[str, list[dict]] = {}
     try:
-        for transport in transports:
-            timings, duration = asyncio.run(
+        for index, transport in enumerate(transports):
+            if index and workload == "prefix":
+                requests = requests_for(index)
+            timings, duration, cache = asyncio.run(
                 run_requests(
                     url.rstrip("/"),
                     requests,
@@ -441,9 +551,13 @@ def bench_serve(
                     seed,
                     progress,
                     media_source=media_source,
+                    first_alone=workload == "prefix",
                 )
             )
             results[transport] = compute_metrics(timings, duration, goodput_slos)
+            if workload == "prefix":
+                results[transport].update(first_vs_repeats_ttft(timings))
+            results[transport].update(cache)
             errors = sorted({t.error for t in timings if t.error})
             results[transport]["errors"] = errors[:10]
             raw[transport] = [
@@ -470,12 +584,13 @@ def bench_serve(
             "num_prompts": num_prompts,
             "input_len": list(input_len),
             "output_len": list(output_len),
-            "num_images": num_images if workload == "random-mm" else 0,
+            "num_images": num_images,
             "image_size": image_size,
             "num_frames": num_frames if workload == "random-mm" else 0,
             "video_size": video_size if workload == "random-mm" and num_frames else None,
-            "media_source": media_source if workload == "random-mm" else None,
+            "media_source": media_source if workload == "random-mm" or num_images else None,
             "prefix_len": prefix_len if workload == "prefix" else None,
+            "first_request_alone": workload == "prefix",
             "request_rate": "inf" if math.isinf(request_rate) else request_rate,
             "burstiness": burstiness,
             "max_concurrency": max_concurrency,
@@ -499,6 +614,32 @@ def format_report(report: dict) -> str:
     parts = []
     for transport, metrics in report["results"].items():
         parts.append(f"== {transport} ==\n{format_metrics(metrics)}")
+        if "ttft_first_ms" in metrics:
+            parts.append(_format_first_vs_repeats(metrics))
+        for cache, title in (("prefix_cache", "Prefix cache"), ("mm_cache", "Encoder cache")):
+            rate = metrics.get(f"server_{cache}_hit_rate")
+            if rate is not None:
+                hits, queries = metrics[f"server_{cache}_hits"], metrics[f"server_{cache}_queries"]
+                parts.append(
+                    f"{title + ' hits (server):':<40}{rate:>12.1%} ({hits:.0f} of {queries:.0f} tokens)"
+                )
         if metrics.get("errors"):
             parts.append("errors: " + "; ".join(metrics["errors"]))
     return "\n".join(parts)
+
+
+def _format_first_vs_repeats(m: dict) -> str:
+    """The prefix workload's TTFT lines: request 0 (cold) against the repeats."""
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f}"
+
+    ratio = m["ttft_repeats_over_first"]
+    return "\n".join(
+        [
+            f"{'TTFT of the first request (ms):':<40}{ms(m['ttft_first_ms']):>12}",
+            f"{'TTFT of repeats (ms):':<40}median {ms(m['ttft_repeats_median_ms'])}, "
+            f"p90 {ms(m['ttft_repeats_p90_ms'])}",
+            f"{'TTFT repeats median / first:':<40}{'n/a' if ratio is None else f'{ratio:.3f}':>12}",
+        ]
+    )
