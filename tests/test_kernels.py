@@ -73,3 +73,17 @@ def test_store_kv_cache_writes_only_the_given_slots() -> None:
     reference.store_kv_cache(key, value, kv_cache, torch.tensor([5, 0]))
     assert kv_cache[0, 2, 1].eq(1).all() and kv_cache[1, 0, 0].eq(2).all()
     assert kv_cache.count_nonzero() == 2 * 2 * 3
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 4, 64, 128, 129, 300])
+def test_linear_cpu_transposed_product_matches_f_linear(rows: int, bias: bool) -> None:
+    """The decoder's Linear runs few-row products as (W @ x^T)^T on the CPU; same result as F.linear."""
+    from mmserve.models.qwen2 import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    out = layer(x)
+    assert out.shape == (rows, 160) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
