@@ -1,0 +1,396 @@
+"""`mmserve bench ...`: the bench sub-commands' parsers and handlers, wired into the top-level parser by
+mmserve/cli.py (as mmserve/demo/cli.py is). Each handler imports its bench module only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from mmserve.bench import SYSTEMS, WORKLOADS
+from mmserve.slo_flags import add_slo_planner_flags
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """`bench` and its sub-commands (`kernels` takes its own flags: `run_bench_command` passes them on)."""
+    bench = sub.add_parser("bench", help="measure speed, side by side in one run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tput = bench_sub.add_parser(
+        "throughput", help="offline throughput of mmserve and transformers on the same requests"
+    )
+    tput.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint directory (default: the bench preset, generated into ~/.cache/mmserve)",
+    )
+    tput.add_argument("--systems", default="mmserve,hf-static", help="comma-separated: " + ",".join(SYSTEMS))
+    tput.add_argument("--num-prompts", type=int, default=64)
+    tput.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens")
+    tput.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens")
+    tput.add_argument("--max-num-seqs", type=int, default=64)
+    tput.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default 2048; long-video: 512"
+    )
+    tput.add_argument(
+        "--max-num-encoder-tokens",
+        type=int,
+        default=None,
+        help="encoder budget per step (default: the token budget; long-video: 128)",
+    )
+    tput.add_argument("--hf-batch-size", type=int, default=16)
+    tput.add_argument("--seed", type=int, default=0)
+    tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+    tput.add_argument("--workload", default="random", choices=list(WORKLOADS))
+    tput.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
+    tput.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
+    tput.add_argument(
+        "--num-frames",
+        type=int,
+        default=None,
+        help="random-mm: frames of one video per prompt (default 0: none); long-video: frames per video (64)",
+    )
+    tput.add_argument(
+        "--video-size", type=int, default=None, help="frame side in pixels (random-mm 112, long-video 224)"
+    )
+    tput.add_argument("--num-videos", type=int, default=2, help="long-video: video requests arriving")
+    tput.add_argument(
+        "--video-interval-steps",
+        type=int,
+        default=8,
+        help="long-video: engine steps between video arrivals (the first comes 4 steps after the text "
+        "prompts could have prefilled)",
+    )
+    tput.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
+    tput.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32): a smoke run",
+    )
+    tput.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write throughput bar PNGs here, and for long-video the step timelines (needs matplotlib)",
+    )
+
+    video = bench_sub.add_parser("long-video", help="step times while a long video joins running decodes")
+    video.add_argument(
+        "--model", type=Path, default=None, help="a Qwen2-VL checkpoint (default: the bench preset)"
+    )
+    video.add_argument("--num-decodes", type=int, default=16)
+    video.add_argument("--num-frames", type=int, default=64)
+    video.add_argument("--frame-size", type=int, default=224)
+    video.add_argument("--max-num-batched-tokens", type=int, default=512)
+    video.add_argument("--max-num-encoder-tokens", type=int, default=128)
+    video.add_argument("--json", type=Path, default=None)
+    video.add_argument(
+        "--quick", action="store_true", help="4 decodes, a 16-frame 112x112 video, budgets 64/32: a smoke run"
+    )
+    video.add_argument(
+        "--plot", type=Path, default=None, help="write the step timeline PNG here (needs matplotlib)"
+    )
+
+    _add_bench_serve_parser(bench_sub)
+    _add_bench_profile_parser(bench_sub)
+    bench_sub.add_parser(
+        "kernels",
+        help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
+        add_help=False,
+    )
+
+
+def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run `mmserve bench <args.bench_command>`; `rest` is what the parser left (only `kernels` takes any)."""
+    if args.bench_command == "kernels":
+        from mmserve.bench.kernels import main as bench_kernels
+
+        return bench_kernels(rest)
+    if args.bench_command == "profile":
+        return _bench_profile(args)
+    if args.bench_command == "serve":
+        return _bench_serve(args)
+    return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def _bench_model(model: Path | None) -> Path:
+    """The given checkpoint, or the bench preset made once into ~/.cache/mmserve."""
+    if model is not None:
+        return model
+    from mmserve.tiny_model import make_tiny_model
+
+    model = Path.home() / ".cache" / "mmserve" / "bench-qwen2_vl"
+    if not (model / "config.json").exists():
+        make_tiny_model(model, arch="qwen2_vl", preset="bench", seed=0)
+    return model
+
+
+def _bench_long_video(args: argparse.Namespace) -> int:
+    from mmserve.bench.long_video import bench_long_video, format_report
+
+    if args.quick:
+        args.num_decodes, args.num_frames, args.frame_size = 4, 16, 112
+        args.max_num_batched_tokens, args.max_num_encoder_tokens = 64, 32
+    report = bench_long_video(
+        _bench_model(args.model), args.num_decodes, args.num_frames, args.frame_size,
+        args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json,
+    )  # fmt: skip
+    print(format_report(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_long_video
+
+        for path in plot_long_video(report, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from mmserve.bench.throughput import bench_throughput, format_report
+
+    model = _bench_model(args.model)
+    num_prompts, input_len, output_len = (
+        args.num_prompts,
+        _parse_range(args.input_len),
+        _parse_range(args.output_len),
+    )
+    prefix_len, num_videos = args.prefix_len, args.num_videos
+    long_video = args.workload == "long-video"
+    # Per-workload defaults: long-video has long videos under a small budget, so chunking shows.
+    num_frames = args.num_frames if args.num_frames is not None else 64 if long_video else 0
+    video_size = args.video_size or (224 if long_video else 112)
+    budget = args.max_num_batched_tokens or (512 if long_video else 2048)
+    encoder_budget = args.max_num_encoder_tokens or (128 if long_video else None)
+    if args.quick:
+        num_prompts, input_len, output_len, prefix_len = 16, (8, 32), (4, 32), min(prefix_len, 128)
+        if long_video:
+            num_prompts, num_videos, num_frames, video_size = 8, min(num_videos, 2), 16, 112
+            output_len, budget, encoder_budget = (2, 8), 64, 32  # outputs then cover the videos, no more
+    try:
+        report = bench_throughput(
+            model,
+            args.systems.split(","),
+            num_prompts,
+            input_len,
+            output_len,
+            args.max_num_seqs,
+            budget,
+            args.hf_batch_size,
+            args.seed,
+            args.json,
+            workload_name=args.workload,
+            num_images=args.num_images,
+            image_size=args.image_size,
+            prefix_len=prefix_len,
+            progress=True,
+            num_frames=num_frames,
+            video_size=video_size,
+            num_videos=num_videos,
+            video_interval_steps=args.video_interval_steps,
+            max_num_encoder_tokens=encoder_budget,
+        )
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_throughput
+
+        for path in plot_throughput(report, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "serve", help="online serving benchmark over the WebSocket chat and/or the OpenAI SSE route"
+    )
+    p.add_argument("--url", default=None, help="a running server; default: start one in-process on --model")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="checkpoint for the in-process server and the prompt tokenizer (default: the bench preset)",
+    )
+    p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
+    p.add_argument("--transport", default="ws", help="ws, http or ws,http (the same requests over each)")
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "random-mm", "prefix", "slo-mix"],
+        help="prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
+        "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a "
+        "cold miss and the others hit the caches; TTFT of the first and of the repeats are reported "
+        "apart (each transport gets a prefix of its own)",
+    )
+    p.add_argument(
+        "--media-source",
+        default="data-url",
+        choices=["data-url", "upload"],
+        help="random-mm, prefix: how images and videos travel (upload: each distinct one once, before timing)",
+    )
+    p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens (approximate)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens (approximate)")
+    p.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens (ignore_eos)")
+    p.add_argument(
+        "--num-images",
+        type=int,
+        default=None,
+        help="images per prompt: random-mm, random ones (default 1); prefix, the same ones in front of "
+        "every prompt (default 0)",
+    )
+    p.add_argument("--image-size", type=int, default=64, help="random-mm, prefix: image side in pixels")
+    p.add_argument(
+        "--num-frames", type=int, default=0, help="random-mm: frames of one mp4 video per prompt (0: none)"
+    )
+    p.add_argument("--video-size", type=int, default=112, help="random-mm: video frame side in pixels")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)"
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: at most N in flight")
+    p.add_argument(
+        "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="in-process server only")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="in-process server only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+    p.add_argument("--plot", type=Path, default=None, help="write latency CDF PNGs here (needs matplotlib)")
+    _add_slo_mix_flags(p)
+
+
+def _add_slo_mix_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--workload slo-mix (fcfs, priority and slo side by side, in-process servers)")
+    g.add_argument("--loads", default="0.5,1,2", help="comma-separated chat arrival rates (req/s)")
+    g.add_argument("--duration-s", type=float, default=20.0, help="seconds of chats per load")
+    g.add_argument("--num-batch", type=int, default=6, help="batch jobs per load (text, multi-image, video)")
+    g.add_argument("--policies", default="fcfs,priority,slo")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="interactive TTFT target")
+    g.add_argument("--slo-tbt-ms", type=float, default=100.0, help="interactive TBT target (judged on TPOT)")
+    add_slo_planner_flags(g)
+
+
+def _add_bench_profile_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("profile", help="calibrate the slo policy's step-time model on the model (JSON)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory (default: the bench preset)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("step_time.json"), help="the fitted model (--step-time-model)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every sample and the fit's error here")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step of the sweep")
+    p.add_argument("--quick", action="store_true", help="a few small shapes: a smoke run")
+
+
+def _bench_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from mmserve.bench.profile import QUICK_PROFILE, ProfileConfig, bench_profile, format_profile
+
+    cfg = QUICK_PROFILE if args.quick else ProfileConfig(max_num_batched_tokens=args.max_num_batched_tokens)
+    if not args.quick:
+        cfg = dataclasses.replace(cfg, chunked_len=max(cfg.chunked_len, 2 * args.max_num_batched_tokens))
+    report = bench_profile(_bench_model(args.model), args.out, cfg, args.json, args.device)
+    print(format_profile(report))
+    print(f"wrote {report['out']} (serve with --scheduler-policy slo --step-time-model {report['out']})")
+    return 0
+
+
+def _bench_slo_mix(args: argparse.Namespace) -> int:
+    from mmserve.bench.slo_mix import QUICK_MIX, MixConfig, bench_slo_mix, format_slo_mix
+
+    if args.url:
+        print("--workload slo-mix starts its own servers (one per policy); drop --url", file=sys.stderr)
+        return 2
+    try:
+        cfg = QUICK_MIX if args.quick else MixConfig(
+            loads=tuple(float(x) for x in args.loads.split(",") if x.strip()), duration_s=args.duration_s,
+            num_batch=args.num_batch, ttft_ms=args.slo_ttft_ms, tbt_ms=args.slo_tbt_ms,
+            policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            step_time_model=args.step_time_model, step_time_headroom=args.step_time_headroom, seed=args.seed,
+            tbt_slack_ms=args.tbt_slack_ms, batch_min_share=args.batch_min_share,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_slo_mix(_bench_model(args.model), cfg, args.json, progress=not args.no_progress)
+    print(format_slo_mix(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_slo_mix
+
+        for path in plot_slo_mix(report, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    if args.workload == "slo-mix":
+        return _bench_slo_mix(args)
+    from mmserve.bench.metrics import parse_goodput
+    from mmserve.bench.serve import QUICK, TRANSPORTS, bench_serve, format_report
+
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    if not transports or set(transports) - set(TRANSPORTS):
+        print(f"--transport: choose from {', '.join(TRANSPORTS)}", file=sys.stderr)
+        return 2
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    num_prompts, input_len, output_len = (
+        args.num_prompts,
+        _parse_range(args.input_len),
+        _parse_range(args.output_len),
+    )
+    if args.quick:
+        num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
+    model = args.model if args.url else _bench_model(args.model)
+    try:
+        report = bench_serve(
+            model=model,
+            url=args.url,
+            transports=transports,
+            workload=args.workload,
+            num_prompts=num_prompts,
+            input_len=input_len,
+            output_len=output_len,
+            num_images=args.num_images,
+            image_size=args.image_size,
+            prefix_len=min(args.prefix_len, 128) if args.quick else args.prefix_len,
+            media_source=args.media_source,
+            num_frames=args.num_frames,
+            video_size=args.video_size,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            goodput_slos=slos or None,
+            api_key=args.api_key,
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            json_path=args.json,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:  # bad workload options (e.g. random-mm with no media)
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.plot is not None:
+        from mmserve.bench.plots import plot_serve
+
+        for path in plot_serve(report, args.plot):
+            print(f"wrote {path}")
+    return 0
