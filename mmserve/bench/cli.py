@@ -218,7 +218,11 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="checkpoint for the in-process server and the prompt tokenizer (default: the bench preset)",
     )
     p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
-    p.add_argument("--transport", default="ws", help="ws, http or ws,http (the same requests over each)")
+    p.add_argument(
+        "--transport",
+        default="ws",
+        help="ws, http or ws,http (each its own draw of the workload: none finds another's prompts cached)",
+    )
     p.add_argument(
         "--workload",
         default="random",

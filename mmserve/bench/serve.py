@@ -497,25 +497,25 @@ def bench_serve(
     json_path: Path | None = None,
     progress: bool = True,
 ) -> dict:
-    """Run the same requests over each transport; `url` None starts an in-process server on `model`.
+    """Run the workload over each transport; `url` None starts an in-process server on `model`.
 
-    `prefix` is the exception: each transport gets a prefix of its own (seed + its index), and request 0
-    is sent alone before the rest (see `run_requests`), so every transport's request 0 is a cold miss
-    and the others repeat its prefix; their TTFTs are reported apart (`first_vs_repeats_ttft`)."""
+    Each transport gets its own draw of the workload (seed + its index): the same distribution, but
+    no prompt, image or shared prefix of one transport is in the server's caches for the next. In
+    `prefix`, request 0 is sent alone before the rest (see `run_requests`), so every transport's
+    request 0 is a cold miss and the others repeat its prefix; their TTFTs are reported apart
+    (`first_vs_repeats_ttft`)."""
     if media_source not in MEDIA_SOURCES:
         raise ValueError(f"unknown media source {media_source!r}; choose from {MEDIA_SOURCES}")
     num_images = resolve_num_images(workload, num_images)
     tokenizer = _load_tokenizer(model)
 
     def requests_for(index: int) -> list[BenchRequest]:
-        # prefix: a fresh shared prefix per transport, else the second would find the first's cached.
-        request_seed = seed + index if workload == "prefix" else seed
         return build_requests(
             workload,
             num_prompts,
             input_len,
             output_len,
-            request_seed,
+            seed + index,
             tokenizer,
             num_images,
             image_size,
