@@ -57,6 +57,26 @@ def test_bench_throughput_quick(
     assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
 
 
+def test_repeats_report_each_systems_median_run(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    report = run_quick(
+        tiny_model_dir("qwen2_vl"),
+        tmp_path / "tput.json",
+        "random",
+        ["mmserve", "hf-static"],
+        "--repeats",
+        "3",
+    )
+    assert report["config"]["repeats"] == 3
+    assert len(report["roofline_tokens_per_s_runs"]) == 3
+    assert report["roofline_tokens_per_s"] == max(report["roofline_tokens_per_s_runs"])
+    for r in report["systems"].values():
+        runs = r["elapsed_s_runs"]
+        assert len(runs) == 3 and r["elapsed_s"] == sorted(runs)[1]
+    assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
+
+
 def test_long_video_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     systems = ["mmserve", "mmserve-no-chunk", "hf-static"]
     report = run_quick(tiny_model_dir("qwen2_vl"), tmp_path / "lv.json", "long-video", systems)
@@ -88,6 +108,7 @@ def test_long_video_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path)
         ["--workload", "random-mm", "--systems", "hf-cb"],
         ["--workload", "long-video", "--systems", "hf-cb"],
         ["--workload", "random-mm", "--num-images", "0", "--systems", "mmserve"],  # and no video
+        ["--workload", "random", "--repeats", "0", "--systems", "mmserve"],
     ],
 )
 def test_refused_workloads(tiny_model_dir: Callable[[str], Path], args: list[str]) -> None:

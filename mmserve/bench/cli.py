@@ -41,6 +41,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     tput.add_argument("--hf-batch-size", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
+    tput.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every system this many times, round-robin; each reports its median run (noisy machines)",
+    )
     tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
     tput.add_argument("--workload", default="random", choices=list(WORKLOADS))
     tput.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
@@ -193,6 +199,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             num_videos=num_videos,
             video_interval_steps=args.video_interval_steps,
             max_num_encoder_tokens=encoder_budget,
+            repeats=args.repeats,
         )
     except ValueError as exc:
         print(str(exc), file=sys.stderr)

@@ -68,6 +68,8 @@ class SystemResult:
     median_step_s: float | None = None
     max_encoder_tokens_in_a_step: int | None = None
     timeline: list[dict] | None = None
+    # With repeats > 1: every run's wall time, in run order; the other figures are the median run's.
+    elapsed_s_runs: list[float] | None = None
 
 
 def random_workload(
@@ -594,6 +596,27 @@ def load_hf_model(model_dir: Path) -> torch.nn.Module:
     return auto.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def _run_system(
+    system: str,
+    model_dir: Path,
+    hf_model: torch.nn.Module,
+    workload: Workload,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_num_encoder_tokens: int | None,
+    hf_batch_size: int,
+) -> tuple[float, list[list[int]], MmserveRun | None]:
+    """One timed run: (elapsed seconds, greedy tokens per request, mmserve's extra figures or None)."""
+    if system == "hf-static":
+        return (*run_hf_static(hf_model, workload, hf_batch_size, 0, model_dir), None)
+    if system == "hf-cb":
+        return (*run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens), None)
+    run = run_mmserve(
+        model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens
+    )
+    return run.elapsed_s, run.tokens, run
+
+
 def bench_throughput(
     model_dir: Path,
     systems: list[str],
@@ -615,7 +638,10 @@ def bench_throughput(
     num_videos: int = 2,
     video_interval_steps: int = 8,
     max_num_encoder_tokens: int | None = None,
+    repeats: int = 1,
 ) -> dict:
+    """Every system on the same workload, `repeats` times round-robin (so drift on a shared machine
+    hits every system alike); each system reports its median run, the roofline its best measurement."""
     from tqdm import tqdm
 
     from mmserve.models.config import DecoderConfig
@@ -625,6 +651,8 @@ def bench_throughput(
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     if workload_name not in WORKLOADS:
         raise ValueError(f"unknown workload {workload_name!r}; choose from {WORKLOADS}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     if workload_name in ("random-mm", "long-video") and "hf-cb" in systems:
         raise ValueError("hf-cb runs text workloads only (random, prefix)")
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
@@ -651,24 +679,28 @@ def bench_throughput(
             max_num_encoder_tokens or max_num_batched_tokens, seed,
         )  # fmt: skip
     hf_model = load_hf_model(model_dir)
-    roofline = dense_token_rate(hf_model, cfg.vocab_size)
+    rooflines: list[float] = []
+    # system -> [(elapsed, greedy tokens, mmserve run or None)], one per repeat
+    runs: dict[str, list[tuple[float, list[list[int]], MmserveRun | None]]] = {k: [] for k in systems}
+    with tqdm(total=repeats * len(systems), desc="bench throughput", disable=not progress) as bar:
+        for _ in range(repeats):
+            rooflines.append(dense_token_rate(hf_model, cfg.vocab_size))
+            for system in systems:
+                run = _run_system(
+                    system, model_dir, hf_model, workload, max_num_seqs, max_num_batched_tokens,
+                    max_num_encoder_tokens, hf_batch_size,
+                )  # fmt: skip
+                runs[system].append(run)
+                gc.collect()
+                bar.update()
+    roofline = max(rooflines)  # a ceiling: noise only ever makes a measurement of it lower
     bound = workload.num_output_tokens / (
         (workload.num_prompt_tokens + workload.num_output_tokens) / roofline
     )
     results: dict[str, SystemResult] = {}
     tokens: dict[str, list[list[int]]] = {}
-    for system in tqdm(systems, desc="bench throughput", disable=not progress):
-        run = None
-        if system == "hf-static":
-            elapsed, tokens[system] = run_hf_static(hf_model, workload, hf_batch_size, 0, model_dir)
-        elif system == "hf-cb":
-            elapsed, tokens[system] = run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens)
-        else:
-            run = run_mmserve(
-                model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens
-            )
-            elapsed, tokens[system] = run.elapsed_s, run.tokens
-        gc.collect()
+    for system, system_runs in runs.items():
+        elapsed, tokens[system], run = sorted(system_runs, key=lambda r: r[0])[(len(system_runs) - 1) // 2]
         mmserve_fields = {}
         if run is not None:
             mmserve_fields = {
@@ -686,6 +718,7 @@ def bench_throughput(
             total_tokens_per_s=(workload.num_prompt_tokens + workload.num_output_tokens) / elapsed,
             efficiency=out_rate / bound,
             **mmserve_fields,
+            elapsed_s_runs=[r[0] for r in system_runs] if repeats > 1 else None,
         )
     if "hf-static" in results:
         base = results["hf-static"].output_tokens_per_s
@@ -713,6 +746,7 @@ def bench_throughput(
             "max_num_encoder_tokens": max_num_encoder_tokens,
             "hf_batch_size": hf_batch_size,
             "seed": seed,
+            "repeats": repeats,
             "torch_threads": torch.get_num_threads(),
         },
         "workload": {
@@ -725,11 +759,14 @@ def bench_throughput(
             ],
         },
         "roofline_tokens_per_s": roofline,
+        "roofline_tokens_per_s_runs": rooflines,
         "output_tokens_per_s_bound": bound,
         "systems": {k: asdict(r) for k, r in results.items()},
         # Greedy outputs of every system should agree; report how many requests differ from the first.
+        # With repeats, the worst run of each system counts.
         "outputs_differing_from_first_system": {
-            k: sum(a != b for a, b in zip(v, tokens[systems[0]], strict=True)) for k, v in tokens.items()
+            k: max(sum(a != b for a, b in zip(r[1], tokens[systems[0]], strict=True)) for r in v)
+            for k, v in runs.items()
         },
         **_chunking_cost(results),
     }
@@ -786,6 +823,16 @@ def format_report(report: dict) -> str:
                 f"{r['max_encoder_tokens_in_a_step']} encoder tokens in a step "
                 f"(a video is {report['workload']['video_tokens']}), token budget {r['max_num_batched_tokens']}"
             )
+    if report["config"].get("repeats", 1) > 1:
+        runs = "; ".join(
+            f"{r['system']} " + " / ".join(f"{t:.1f}" for t in r["elapsed_s_runs"])
+            for r in report["systems"].values()
+        )
+        lines.append(
+            f"{report['config']['repeats']} runs each, interleaved; the figures above are each system's "
+            f"median run. Wall times (s): {runs}; roofline runs (tok/s): "
+            + " / ".join(f"{x:.0f}" for x in report["roofline_tokens_per_s_runs"])
+        )
     if "p99_itl_chunk_over_no_chunk" in report:
         lines.append(
             f"p99 text ITL, mmserve / mmserve-no-chunk: {report['p99_itl_chunk_over_no_chunk']:.2f}x"
