@@ -40,10 +40,13 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _CPU_TRANSPOSED_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        out = torch.mm(self.weight, x.t()).t()  # [rows, out_features], column-major
-        if self.bias is not None:
-            out = out + self.bias
-        return out.contiguous()
+        # [out_features, rows], the bias added inside the product rather than in a second pass
+        out_t = (
+            torch.mm(self.weight, x.t())
+            if self.bias is None
+            else torch.addmm(self.bias.unsqueeze(1), self.weight, x.t())
+        )
+        return out_t.t().contiguous()  # [rows, out_features]
 
 
 class MRotaryEmbedding(nn.Module):
