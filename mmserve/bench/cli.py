@@ -137,6 +137,17 @@ def _bench_model(model: Path | None) -> Path:
     return model
 
 
+def _write_plots(report: dict, plot_dir: Path | None, plotter: str) -> None:
+    """--plot: `plotter` of mmserve.bench.plots writes its PNGs of `report` under `plot_dir` (imported only
+    when asked: matplotlib is optional)."""
+    if plot_dir is None:
+        return
+    from mmserve.bench import plots
+
+    for path in getattr(plots, plotter)(report, plot_dir):
+        print(f"wrote {path}")
+
+
 def _bench_long_video(args: argparse.Namespace) -> int:
     from mmserve.bench.long_video import bench_long_video, format_report
 
@@ -148,11 +159,7 @@ def _bench_long_video(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json,
     )  # fmt: skip
     print(format_report(report))
-    if args.plot is not None:
-        from mmserve.bench.plots import plot_long_video
-
-        for path in plot_long_video(report, args.plot):
-            print(f"wrote {path}")
+    _write_plots(report, args.plot, "plot_long_video")
     return 0
 
 
@@ -205,11 +212,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     print(format_report(report))
-    if args.plot is not None:
-        from mmserve.bench.plots import plot_throughput
-
-        for path in plot_throughput(report, args.plot):
-            print(f"wrote {path}")
+    _write_plots(report, args.plot, "plot_throughput")
     return 0
 
 
@@ -338,11 +341,7 @@ def _bench_slo_mix(args: argparse.Namespace) -> int:
         return 2
     report = bench_slo_mix(_bench_model(args.model), cfg, args.json, progress=not args.no_progress)
     print(format_slo_mix(report))
-    if args.plot is not None:
-        from mmserve.bench.plots import plot_slo_mix
-
-        for path in plot_slo_mix(report, args.plot):
-            print(f"wrote {path}")
+    _write_plots(report, args.plot, "plot_slo_mix")
     return 0
 
 
@@ -399,9 +398,5 @@ def _bench_serve(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     print(format_report(report))
-    if args.plot is not None:
-        from mmserve.bench.plots import plot_serve
-
-        for path in plot_serve(report, args.plot):
-            print(f"wrote {path}")
+    _write_plots(report, args.plot, "plot_serve")
     return 0
