@@ -97,15 +97,15 @@ def build_requests(
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     prefix = _random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
-    # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
-    shared_images = (
-        [
+
+    def image_parts() -> list[dict]:  # `num_images` fresh random PNGs as content parts
+        return [
             {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
             for _ in range(num_images)
         ]
-        if workload == "prefix"
-        else []
-    )
+
+    # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
+    shared_images = image_parts() if workload == "prefix" else []
     out = []
     for _ in range(num_prompts):
         text = prefix + _random_text(rng, rng.randint(*input_len), tokenizer)
@@ -113,10 +113,7 @@ def build_requests(
         if shared_images:
             content = [*shared_images, {"type": "text", "text": text}]
         if workload == "random-mm":
-            content = [
-                {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
-                for _ in range(num_images)
-            ]
+            content = image_parts()
             if num_frames:
                 url = _mp4_data_url(np_rng, num_frames, video_size)
                 content.append({"type": "video_url", "video_url": {"url": url}})
