@@ -124,6 +124,27 @@ def test_bench_serve_prefix_with_a_repeated_image(
         assert m["server_prefix_cache_hit_rate"] > 0.5, m
 
 
+def test_bench_serve_server_process_against_offline(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A child `mmserve serve` takes the requests over the WebSocket; the same requests then run through
+    the offline `LLM.chat`: the same prompts (chat-templated alike), the same output tokens, and the
+    throughput ratios are the online figures over the offline ones. The child is gone afterwards."""
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--model", str(tiny_model_dir("qwen2_vl")), "--quick", "--no-progress"]
+    argv += ["--json", str(out), "--server-process", "--offline", "--transport", "ws"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["server_process"] is True
+    m, offline = report["results"]["ws"], report["offline"]
+    assert m["failed"] == 0 and m["completed"] == 8, m["errors"]
+    assert m["server_prefix_cache_queries"] > 0  # /metrics of the child was scraped
+    assert offline["total_input_tokens"] == m["total_input_tokens"]
+    assert offline["total_output_tokens"] == m["total_output_tokens"]
+    for key in ("output_throughput", "total_token_throughput"):
+        assert m[f"{key}_over_offline"] == pytest.approx(m[key] / offline[key])
+
+
 def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--transport", "grpc"]) == 2
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2

@@ -272,8 +272,21 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="in-process server only")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="in-process server only")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the server it starts, and --offline")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="the server it starts, and --offline"
+    )
+    p.add_argument(
+        "--server-process",
+        action="store_true",
+        help="start the server as a child `mmserve serve` (its own GIL, as deployed) instead of a thread",
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="also run the same requests through the offline LLM.chat (same engine settings) and report "
+        "each transport's throughput over it",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
     p.add_argument("--no-progress", action="store_true")
@@ -367,7 +380,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     )
     if args.quick:
         num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
-    model = args.model if args.url else _bench_model(args.model)
+    model = args.model if args.url and not args.offline else _bench_model(args.model)
     try:
         report = bench_serve(
             model=model,
@@ -391,6 +404,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            server_process=args.server_process,
+            offline=args.offline,
             json_path=args.json,
             progress=not args.no_progress,
         )

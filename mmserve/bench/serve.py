@@ -10,7 +10,12 @@ import io
 import itertools
 import json
 import math
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -460,6 +465,78 @@ class InProcessServer:
         self._tmp.cleanup()
 
 
+class ServerProcess:
+    """`mmserve serve` in a child process on a free port, as it is deployed: its engine loop and event
+    loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to
+    `log_path` (default: a temporary file, echoed when the server fails to come up)."""
+
+    def __init__(self, model: Path, startup_timeout_s: float = 300.0, **serve_flags: Any) -> None:
+        import httpx
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "mmserve", "serve", "--model", str(model), "--port", str(port),
+               "--served-model-name", "bench", "--log-level", "warning"]  # fmt: skip
+        for name, value in serve_flags.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+        env = {**os.environ, "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
+        env.pop("MMSERVE_API_KEY", None)
+        self._log_path = Path(self._tmp.name) / "server.log"
+        self._log = self._log_path.open("w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the server did not come up: {self._log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self._tmp.cleanup()
+
+
+def offline_baseline(
+    model: Path, requests: list[BenchRequest], max_num_seqs: int, max_num_batched_tokens: int
+) -> dict:
+    """The same requests (messages, output lengths, greedy, ignore_eos) through the offline `LLM.chat`
+    with the server's engine settings, in this process: the throughput the serving path is compared
+    with, on exactly the same work. A warm-up request first, not counted."""
+    from mmserve import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(max_tokens=2, temperature=0.0))
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.chat([r.messages for r in requests], params)
+    duration = time.perf_counter() - start
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "duration_s": duration,
+        "total_input_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(outputs) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+    }
+
+
 def _load_tokenizer(model: Path | None) -> Any | None:
     if model is None:
         return None
@@ -491,10 +568,17 @@ def bench_serve(
     seed: int = 0,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
+    server_process: bool = False,
+    offline: bool = False,
     json_path: Path | None = None,
     progress: bool = True,
 ) -> dict:
-    """Run the workload over each transport; `url` None starts an in-process server on `model`.
+    """Run the workload over each transport; `url` None starts a server on `model`: in this process
+    (a thread), or with `server_process` as a child `mmserve serve` (no GIL shared with the clients).
+
+    `offline`: afterwards, the first transport's requests also run through the offline `LLM.chat` in this
+    process, with `max_num_seqs` and `max_num_batched_tokens` (give the server's when it is at `url`), and
+    each transport's throughputs are reported over the offline ones (`*_over_offline`).
 
     Each transport gets its own draw of the workload (seed + its index): the same distribution, but
     no prompt, image or shared prefix of one transport is in the server's caches for the next. In
@@ -526,10 +610,13 @@ def bench_serve(
     if url is None:
         if model is None:
             raise ValueError("give --url or --model")
-        server = InProcessServer(
-            model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        engine_flags = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        server = (
+            ServerProcess(model, **engine_flags) if server_process else InProcessServer(model, **engine_flags)
         )
         url = server.url
+    elif offline and model is None:
+        raise ValueError("the offline baseline needs --model (the server's checkpoint)")
     results: dict[str, dict] = {}
     raw: dict[str, list[dict]] = {}
     try:
@@ -571,11 +658,19 @@ def bench_serve(
     finally:
         if server is not None:
             server.close()
+    offline_figures = None
+    if offline:
+        assert model is not None
+        offline_figures = offline_baseline(model, requests_for(0), max_num_seqs, max_num_batched_tokens)
+        for metrics in results.values():
+            for key in ("output_throughput", "total_token_throughput"):
+                metrics[f"{key}_over_offline"] = metrics[key] / offline_figures[key]
     report = {
         "config": {
             "model": str(model) if model else None,
             "url": None if server else url,
             "in_process_server": server is not None,
+            "server_process": server_process and server is not None,
             "transports": list(transports),
             "workload": workload,
             "num_prompts": num_prompts,
@@ -593,10 +688,11 @@ def bench_serve(
             "max_concurrency": max_concurrency,
             "goodput_slos_ms": goodput_slos,
             "seed": seed,
-            "max_num_seqs": max_num_seqs if server else None,
-            "max_num_batched_tokens": max_num_batched_tokens if server else None,
+            "max_num_seqs": max_num_seqs if server or offline else None,
+            "max_num_batched_tokens": max_num_batched_tokens if server or offline else None,
         },
         "results": results,
+        "offline": offline_figures,
         "requests": raw,
     }
     if json_path is not None:
@@ -620,8 +716,20 @@ def format_report(report: dict) -> str:
                 parts.append(
                     f"{title + ' hits (server):':<40}{rate:>12.1%} ({hits:.0f} of {queries:.0f} tokens)"
                 )
+        if "output_throughput_over_offline" in metrics:
+            parts.append(
+                f"{'Output / total tok/s over offline:':<40}{metrics['output_throughput_over_offline']:>12.3f}"
+                f" / {metrics['total_token_throughput_over_offline']:.3f}"
+            )
         if metrics.get("errors"):
             parts.append("errors: " + "; ".join(metrics["errors"]))
+    offline = report.get("offline")
+    if offline:
+        parts.append(
+            f"== offline LLM.chat, same requests ==\n{'Duration (s):':<40}{offline['duration_s']:>12.2f}\n"
+            f"{'Output token throughput (tok/s):':<40}{offline['output_throughput']:>12.2f}\n"
+            f"{'Total token throughput (tok/s):':<40}{offline['total_token_throughput']:>12.2f}"
+        )
     return "\n".join(parts)
 
 
