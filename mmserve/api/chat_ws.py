@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import uuid
 from contextlib import aclosing
 from typing import Any
@@ -77,8 +78,12 @@ class _Session:
         while True:
             text = await self._outbox.get()
             try:
-                await asyncio.wait_for(self.ws.send_text(text), timeout)
-            except TimeoutError:
+                if sys.version_info >= (3, 11):  # a deadline on this task: no task per frame, as wait_for made
+                    async with asyncio.timeout(timeout):
+                        await self.ws.send_text(text)
+                else:
+                    await asyncio.wait_for(self.ws.send_text(text), timeout)
+            except asyncio.TimeoutError:  # TimeoutError from 3.11 on
                 self.drop(f"a frame waited {timeout} s to be sent (ws_send_timeout_s)")
                 return
             except Exception:  # the peer is gone

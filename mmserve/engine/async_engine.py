@@ -13,6 +13,7 @@ The engine keeps serving in all three cases. If the loop itself dies, every stre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -69,6 +70,7 @@ class _Shutdown:
 
 
 _STREAM_END = object()  # sentinel after a stream's final output
+_Batch = list[tuple[asyncio.Queue, Any]]  # (stream, item) pairs for one event loop
 
 
 class AsyncEngine:
@@ -92,6 +94,8 @@ class AsyncEngine:
         self._num_pending = 0  # accepted but not yet seen by the loop
         self._ids = itertools.count()
         self._stats = loaded.core.stats()
+        # Emitted but not yet handed over, per consumer event loop, in order (touched by the loop thread only).
+        self._outbox: dict[asyncio.AbstractEventLoop, _Batch] = {}
         self._dead: BaseException | None = None
         self.dead = threading.Event()  # set once the loop has died (not on a clean shutdown)
         self.num_failed_requests = 0  # failed by an engine fault (not by their own invalid input)
@@ -190,23 +194,32 @@ class AsyncEngine:
             )
 
     def _emit(self, request_id: str, item: Any, last: bool) -> None:
+        """Queue `item` for the request's stream; `_flush` hands it over (once per loop iteration)."""
         with self._lock:
             entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if entry is None:
             return
         loop, stream = entry
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-            if last and not isinstance(item, BaseException):
-                loop.call_soon_threadsafe(stream.put_nowait, _STREAM_END)
-        except RuntimeError:  # the caller's event loop is closed: nobody is listening
-            pass
+        batch = self._outbox.setdefault(loop, [])
+        batch.append((stream, item))
+        if last and not isinstance(item, BaseException):
+            batch.append((stream, _STREAM_END))
+
+    def _flush(self) -> None:
+        """One `call_soon_threadsafe` per event loop for everything emitted since the last flush: a
+        step's 64 outputs wake the server's loop once, not 64 times (each wake is a self-pipe write and
+        a loop iteration, on the cores the next step's forward runs on)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, batch in outbox.items():
+            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+                loop.call_soon_threadsafe(_deliver, batch)
 
     def _run_loop(self) -> None:
         core = self._core
         outputs = OutputProcessor(self.tokenizer, core.scheduler_config.class_slo)
         try:
             while True:
+                self._flush()
                 # Block for messages only when idle; otherwise take what has arrived and step.
                 block = not core.has_unfinished_requests()
                 while True:
@@ -217,6 +230,7 @@ class AsyncEngine:
                     block = False
                     if isinstance(message, _Shutdown):
                         self._abort_all(core, outputs, EngineDeadError("the engine shut down"))
+                        self._flush()
                         return
                     self._handle(message, core, outputs)
                 if not core.has_unfinished_requests():
@@ -260,6 +274,7 @@ class AsyncEngine:
                 request_ids = list(self._streams)
             for request_id in request_ids:
                 self._emit(request_id, EngineDeadError("the engine loop died"), last=True)
+            self._flush()
             self.dead.set()
 
     def _fail(self, core: Any, outputs: OutputProcessor, request_id: str) -> None:
@@ -330,6 +345,12 @@ class AsyncEngine:
             self._close_output(outputs, request_id)
             self._emit(request_id, error, last=True)
         self._stats = core.stats()
+
+
+def _deliver(batch: _Batch) -> None:
+    """On the consumer's event loop: put each item on its stream, in emission order."""
+    for stream, item in batch:
+        stream.put_nowait(item)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
