@@ -153,6 +153,18 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--scheduler-policy", default="fcfs", choices=["fcfs", "priority", "no_chunk", "static", "slo"]
     )
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument(
+        "--max-num-encoder-tokens",
+        type=int,
+        default=None,
+        help="embedding tokens the encoder may produce per step (default: the token budget)",
+    )
+    serve.add_argument(
+        "--no-chunk-encoder",
+        action="store_true",
+        help="encode each image or video whole in one step, as vLLM does (default: a video's frame groups "
+        "as the prefill reaches them)",
+    )
     _add_slo_flags(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -209,6 +221,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         scheduler_policy=args.scheduler_policy,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_num_encoder_tokens=args.max_num_encoder_tokens,
+        chunk_encoder=not args.no_chunk_encoder,
         **_slo_engine_kwargs(args),
     )
     settings = ServerSettings(

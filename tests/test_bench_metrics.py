@@ -1,5 +1,5 @@
 """`mmserve.bench.metrics` on fixed synthetic timings: TTFT, TPOT, ITL, e2e, percentiles, goodput, and
-the prefix workload's first-vs-repeats TTFT."""
+the prefix workload's first-vs-repeats TTFT, the long-video workload's ITL while videos are in."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from mmserve.bench.metrics import (
     meets_slos,
     parse_goodput,
     summarize_ms,
+    video_interference,
 )
 
 # start 0, deltas at 0.1, 0.15, 0.25, done at 0.3: 4 tokens (the last delta carried two).
@@ -92,3 +93,26 @@ def test_first_vs_repeats_ttft() -> None:
     assert first_vs_repeats_ttft([C, A])["ttft_repeats_over_first"] is None
     assert first_vs_repeats_ttft([A])["ttft_repeats_median_ms"] is None
     assert first_vs_repeats_ttft([]) == dict.fromkeys(f)
+
+
+def test_video_interference_splits_text_gaps_at_the_video_window() -> None:
+    # Two text streams, one token every 0.1 s from t=0.1 to 2.0, except a 0.5 s stall ending at 1.3.
+    ticks = [round(0.1 * i, 1) for i in range(1, 21)]
+    stalled = tuple(t for t in ticks if not 0.8 < t < 1.3)
+    texts = [RequestTiming(0.0, tuple(ticks), 2.0, 5, 20), RequestTiming(0.0, stalled, 2.0, 5, 15), C]
+    # Videos: sent at 1.0 and 1.2, first token at 1.3 and 1.5, done at 1.4 and 1.6 (window 1.0-1.6).
+    videos = [RequestTiming(1.0, (1.3, 1.4), 1.4, 500, 2), RequestTiming(1.2, (1.5,), 1.6, 500, 1)]
+    f = video_interference(texts, videos)
+    assert f["video_window_s"] == pytest.approx(0.6)
+    # Gaps ending in [1.0, 1.6]: 1.0 .. 1.6 on the steady stream (7), 1.3 .. 1.6 on the stalled one (4).
+    assert f["text_itl_in_window_gaps"] == 11
+    assert f["text_itl_in_window_max_ms"] == pytest.approx(500)
+    assert f["text_itl_out_window_max_ms"] == pytest.approx(100)
+    assert f["text_itl_in_window_p50_ms"] == pytest.approx(100)
+    assert f["video_ttft_median_ms"] == pytest.approx(300)
+    assert f["video_ttft_max_ms"] == pytest.approx(300)
+    # No video finished: no window, every text gap counts as outside, nothing raises.
+    none = video_interference(texts, [C])
+    assert none["video_window_s"] is None and none["text_itl_in_window_gaps"] == 0
+    assert none["text_itl_in_window_p99_ms"] is None and none["video_ttft_median_ms"] is None
+    assert none["text_itl_out_window_max_ms"] == pytest.approx(500)

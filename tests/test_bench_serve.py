@@ -145,9 +145,42 @@ def test_bench_serve_server_process_against_offline(
         assert m[f"{key}_over_offline"] == pytest.approx(m[key] / offline[key])
 
 
+def test_bench_serve_long_video_chunked_against_no_chunk(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Text requests stream, then two videos arrive; run on a chunking `mmserve serve` child and again on
+    a no-chunk one (whole prefills, whole-video encoding; its budget raised to the longest prompt, or the
+    videos would be refused): every request succeeds on both, text tokens arrived while the videos were
+    in, and the chunked / no-chunk ratios are reported. No timing is asserted (shared, noisy machine)."""
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--model", str(tiny_model_dir("qwen2_vl")), "--quick", "--no-progress"]
+    argv += ["--json", str(out), "--workload", "long-video", "--compare-no-chunk", "--transport", "ws"]
+    argv += ["--server-process", "--max-num-encoder-tokens", "16"]  # child servers: the serve flags are real
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["num_videos"] == 2 and report["config"]["num_frames"] == 8
+    for key in ("ws", "ws/no-chunk"):
+        m = report["results"][key]
+        assert m["failed"] == 0 and m["completed"] == 10, m["errors"]
+        assert m["video_window_s"] > 0 and m["video_ttft_median_ms"] > 0
+        assert m["text_itl_in_window_gaps"] > 0, m  # the videos arrived while the texts streamed
+    comparison = report["chunk_vs_no_chunk"]
+    assert None not in comparison.values(), comparison
+    assert comparison["p99_text_itl_in_window_chunk_over_no_chunk"] == pytest.approx(
+        report["results"]["ws"]["text_itl_in_window_p99_ms"]
+        / report["results"]["ws/no-chunk"]["text_itl_in_window_p99_ms"]
+    )
+
+
 def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--transport", "grpc"]) == 2
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
     no_media = ["--workload", "random-mm", "--num-images", "0"]
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *no_media]) == 2
+    assert (
+        main(
+            ["bench", "serve", "--url", "http://127.0.0.1:9", "--workload", "long-video", "--num-videos", "0"]
+        )
+        == 2
+    )
     assert "goodput" in capsys.readouterr().err

@@ -236,11 +236,13 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workload",
         default="random",
-        choices=["random", "random-mm", "prefix", "slo-mix"],
+        choices=["random", "random-mm", "prefix", "long-video", "slo-mix"],
         help="prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
         "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a "
         "cold miss and the others hit the caches; TTFT of the first and of the repeats are reported "
-        "apart (each transport gets a prefix of its own)",
+        "apart (each transport gets a prefix of its own). long-video: the random text requests stream, "
+        "then --num-videos videos of --num-frames frames arrive --video-interval-s apart; text ITL while "
+        "they are in is reported against the rest",
     )
     p.add_argument(
         "--media-source",
@@ -261,9 +263,26 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--image-size", type=int, default=64, help="random-mm, prefix: image side in pixels")
     p.add_argument(
-        "--num-frames", type=int, default=0, help="random-mm: frames of one mp4 video per prompt (0: none)"
+        "--num-frames",
+        type=int,
+        default=None,
+        help="random-mm: frames of one mp4 video per prompt (default 0: none); long-video: frames per "
+        "video (default 64)",
     )
-    p.add_argument("--video-size", type=int, default=112, help="random-mm: video frame side in pixels")
+    p.add_argument(
+        "--video-size",
+        type=int,
+        default=None,
+        help="video frame side in pixels (random-mm 112, long-video 224)",
+    )
+    p.add_argument("--num-videos", type=int, default=2, help="long-video: videos arriving")
+    p.add_argument("--video-interval-s", type=float, default=2.0, help="long-video: seconds between videos")
+    p.add_argument(
+        "--compare-no-chunk",
+        action="store_true",
+        help="long-video: run again on a server without chunked prefill or encoding (as vLLM without "
+        "chunked prefill) and report the ratios",
+    )
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)"
     )
@@ -275,6 +294,12 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="the server it starts, and --offline")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="the server it starts, and --offline"
+    )
+    p.add_argument(
+        "--max-num-encoder-tokens",
+        type=int,
+        default=None,
+        help="the server it starts (default: token budget)",
     )
     p.add_argument(
         "--server-process",
@@ -378,9 +403,16 @@ def _bench_serve(args: argparse.Namespace) -> int:
         _parse_range(args.input_len),
         _parse_range(args.output_len),
     )
+    long_video = args.workload == "long-video"
+    num_frames = args.num_frames if args.num_frames is not None else (64 if long_video else 0)
+    video_size = args.video_size or (224 if long_video else 112)
     if args.quick:
         num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
-    model = args.model if args.url and not args.offline else _bench_model(args.model)
+        if long_video:  # texts long enough to outlast two small videos
+            output_len, num_frames, video_size = (48, 64), min(num_frames, 8), min(video_size, 56)
+    model = (
+        args.model if args.url and not (args.offline or args.compare_no_chunk) else _bench_model(args.model)
+    )
     try:
         report = bench_serve(
             model=model,
@@ -394,8 +426,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
             image_size=args.image_size,
             prefix_len=min(args.prefix_len, 128) if args.quick else args.prefix_len,
             media_source=args.media_source,
-            num_frames=args.num_frames,
-            video_size=args.video_size,
+            num_frames=num_frames,
+            video_size=video_size,
+            num_videos=args.num_videos,
+            video_interval_s=0.2 if args.quick else args.video_interval_s,
+            compare_no_chunk=args.compare_no_chunk,
+            max_num_encoder_tokens=args.max_num_encoder_tokens,
             request_rate=args.request_rate,
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,

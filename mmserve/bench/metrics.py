@@ -144,6 +144,38 @@ def first_vs_repeats_ttft(timings: Sequence[RequestTiming]) -> dict:
     }
 
 
+def video_interference(texts: Sequence[RequestTiming], videos: Sequence[RequestTiming]) -> dict:
+    """The `long-video` workload's figures: how the text streams' inter-token latency fared while the
+    videos were in the server, against the rest of the run. The window runs from the first video's send
+    to the last video's end; a text gap belongs to it when its later token arrived inside. Keys
+    `video_window_s`, `text_itl_{in,out}_window_{p50,p99,max}_ms`, `text_itl_in_window_gaps`,
+    `video_ttft_{median,max}_ms` (None where there is nothing to measure)."""
+    done = [v for v in videos if v.success]
+    lo = min((v.start_s for v in done), default=None)
+    hi = max((v.end_s for v in done), default=None)
+    inside: list[float] = []
+    outside: list[float] = []
+    for t in texts:
+        if not t.success:
+            continue
+        for a, b in itertools.pairwise(t.chunk_times_s):
+            (inside if lo is not None and hi is not None and lo <= b <= hi else outside).append(b - a)
+    out: dict = {"video_window_s": hi - lo if lo is not None and hi is not None else None}
+    for where, gaps in (("in", inside), ("out", outside)):
+        arr = np.asarray(gaps, dtype=np.float64) * 1e3
+        for name, value in (
+            ("p50", np.median(arr) if arr.size else None),
+            ("p99", np.percentile(arr, 99.0) if arr.size else None),
+            ("max", arr.max() if arr.size else None),
+        ):
+            out[f"text_itl_{where}_window_{name}_ms"] = None if value is None else float(value)
+    out["text_itl_in_window_gaps"] = len(inside)
+    ttfts = [v.ttft_s * 1e3 for v in done if v.ttft_s is not None]
+    out["video_ttft_median_ms"] = float(np.median(ttfts)) if ttfts else None
+    out["video_ttft_max_ms"] = max(ttfts) if ttfts else None
+    return out
+
+
 def format_metrics(m: dict) -> str:
     """vLLM-like text summary."""
     lines = [

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.bench.metrics import RequestTiming, compute_metrics, first_vs_repeats_ttft
+from mmserve.bench.metrics import RequestTiming, compute_metrics, first_vs_repeats_ttft, video_interference
 
-WORKLOADS = ("random", "random-mm", "prefix")
+WORKLOADS = ("random", "random-mm", "prefix", "long-video")
 MEDIA_SOURCES = ("data-url", "upload")
 TRANSPORTS = ("ws", "http")
 # --quick: small enough to finish in well under a minute on the tiny model on 2 CPU cores.
@@ -39,11 +39,16 @@ _WORDS = (
 ).split()
 
 
+VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     messages: list[dict]
     output_len: int
     extra: dict[str, Any] = field(default_factory=dict)  # more body fields (e.g. service_tier, priority)
+    # long-video's videos: sent once every other request streams, `video_interval_s` apart (run_requests)
+    late: bool = False
 
 
 def _random_text(rng: random.Random, n: int, tokenizer: Any | None) -> str:
@@ -85,13 +90,16 @@ def build_requests(
     prefix_len: int = 512,
     num_frames: int = 0,
     video_size: int = 112,
+    num_videos: int = 2,
 ) -> list[BenchRequest]:
     """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` (default 1)
     random images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of
     `num_frames` random `video_size`^2 frames sent as an mp4 data URL (distinct per request: no cache
     hits); `prefix`: every prompt starts with the same `num_images` (default 0) images of `image_size`^2
     pixels (the same pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text of
-    about `prefix_len` tokens, then a random text of its own."""
+    about `prefix_len` tokens, then a random text of its own; `long-video`: the `random` text prompts,
+    then `num_videos` requests of one video each (`num_frames` random `video_size`^2 frames and a short
+    question, VIDEO_OUTPUT_LEN tokens out), marked `late`: they arrive while the texts decode."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
     num_images = resolve_num_images(workload, num_images)
@@ -99,6 +107,8 @@ def build_requests(
         raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
     if workload == "prefix" and num_images < 0:
         raise ValueError("prefix: --num-images must not be negative")
+    if workload == "long-video" and (num_videos < 1 or num_frames < 1):
+        raise ValueError("long-video needs --num-videos and --num-frames >= 1")
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     prefix = _random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
@@ -124,6 +134,13 @@ def build_requests(
                 content.append({"type": "video_url", "video_url": {"url": url}})
             content.append({"type": "text", "text": text})
         out.append(BenchRequest([{"role": "user", "content": content}], rng.randint(*output_len)))
+    if workload == "long-video":
+        for j in range(num_videos):
+            content = [
+                {"type": "video_url", "video_url": {"url": _mp4_data_url(np_rng, num_frames, video_size)}},
+                {"type": "text", "text": f"What happens in clip {j}?"},
+            ]
+            out.append(BenchRequest([{"role": "user", "content": content}], VIDEO_OUTPUT_LEN, late=True))
     return out
 
 
@@ -377,12 +394,15 @@ async def run_requests(
     num_sockets: int | None = None,
     media_source: str = "data-url",
     first_alone: bool = False,
+    video_interval_s: float = 2.0,
 ) -> tuple[list[RequestTiming], float, dict]:
     """Send every request (one warm-up first, not counted); returns the timings (in `requests`' order),
     the duration and the server's cache figures over the run (`cache_figures`).
 
     `first_alone`: request 0 goes alone and the rest wait for its first token (or its end) before the
-    arrivals start, so request 0 is a cold miss whose prefix the others find cached."""
+    arrivals start, so request 0 is a cold miss whose prefix the others find cached.
+    `late` requests (at the end of `requests`) are held back until every other request has its first
+    token (or has ended), then sent one every `video_interval_s` seconds."""
     import httpx
     from tqdm import tqdm
 
@@ -420,17 +440,27 @@ async def run_requests(
             bar.update(1)
             return timing
 
+        late = [i for i, r in enumerate(requests) if r.late]
+        if late != list(range(len(requests) - len(late), len(requests))):
+            raise ValueError("late requests must come last")
         before = await scrape_cache_counters(client, url)
         tasks = []
         start = time.perf_counter()
-        rest = range(len(requests))  # indices sent at the arrival times
-        if first_alone and requests:
+        rest = range(len(requests) - len(late))  # indices sent at the arrival times
+        if first_alone and rest:
             first_token = asyncio.Event()
             tasks.append(asyncio.create_task(one(requests[0], first_token)))
             await first_token.wait()
-            rest = range(1, len(requests))
+            rest = rest[1:]
+        streaming = {i: asyncio.Event() for i in rest} if late else {}
         async for i in arrivals(len(rest), request_rate, burstiness, seed):
-            tasks.append(asyncio.create_task(one(requests[rest[i]])))
+            tasks.append(asyncio.create_task(one(requests[rest[i]], streaming.get(rest[i]))))
+        if late:
+            await asyncio.gather(*(event.wait() for event in streaming.values()))
+            for j, i in enumerate(late):
+                if j:
+                    await asyncio.sleep(video_interval_s)
+                tasks.append(asyncio.create_task(one(requests[i])))
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         figures = cache_figures(before, await scrape_cache_counters(client, url))
@@ -470,7 +500,8 @@ class ServerProcess:
     loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to
     `log_path` (default: a temporary file, echoed when the server fails to come up)."""
 
-    def __init__(self, model: Path, startup_timeout_s: float = 300.0, **serve_flags: Any) -> None:
+    def __init__(self, model: Path, startup_timeout_s: float = 300.0, **engine_kwargs: Any) -> None:
+        """`engine_kwargs`: EngineArgs fields that `mmserve serve` has flags for (None: its default)."""
         import httpx
 
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
@@ -480,8 +511,11 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "mmserve", "serve", "--model", str(model), "--port", str(port),
                "--served-model-name", "bench", "--log-level", "warning"]  # fmt: skip
-        for name, value in serve_flags.items():
-            cmd += [f"--{name.replace('_', '-')}", str(value)]
+        for name, value in engine_kwargs.items():
+            if name == "chunk_encoder":
+                cmd += [] if value else ["--no-chunk-encoder"]
+            elif value is not None:
+                cmd += [f"--{name.replace('_', '-')}", str(value)]
         env = {**os.environ, "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
         env.pop("MMSERVE_API_KEY", None)
         self._log_path = Path(self._tmp.name) / "server.log"
@@ -568,6 +602,10 @@ def bench_serve(
     seed: int = 0,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
+    max_num_encoder_tokens: int | None = None,
+    num_videos: int = 2,
+    video_interval_s: float = 2.0,
+    compare_no_chunk: bool = False,
     server_process: bool = False,
     offline: bool = False,
     json_path: Path | None = None,
@@ -579,6 +617,11 @@ def bench_serve(
     `offline`: afterwards, the first transport's requests also run through the offline `LLM.chat` in this
     process, with `max_num_seqs` and `max_num_batched_tokens` (give the server's when it is at `url`), and
     each transport's throughputs are reported over the offline ones (`*_over_offline`).
+
+    `long-video`: each transport's figures also carry `video_interference` (text ITL while the videos
+    are in, against the rest). `compare_no_chunk` (servers it starts only) runs everything again on a
+    server that prefills whole and encodes each video in one step, as vLLM without chunked prefill
+    (token budget raised to the longest prompt), under the key "<transport>/no-chunk".
 
     Each transport gets its own draw of the workload (seed + its index): the same distribution, but
     no prompt, image or shared prefix of one transport is in the server's caches for the next. In
@@ -603,61 +646,74 @@ def bench_serve(
             prefix_len,
             num_frames,
             video_size,
+            num_videos,
         )
 
     requests = requests_for(0)  # built before any server starts: bad workload options fail fast
-    server = None
-    if url is None:
-        if model is None:
-            raise ValueError("give --url or --model")
-        engine_flags = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-        server = (
-            ServerProcess(model, **engine_flags) if server_process else InProcessServer(model, **engine_flags)
-        )
-        url = server.url
-    elif offline and model is None:
+    if url is None and model is None:
+        raise ValueError("give --url or --model")
+    if url is not None and compare_no_chunk:
+        raise ValueError("--compare-no-chunk starts its own servers; drop --url")
+    if url is not None and offline and model is None:
         raise ValueError("the offline baseline needs --model (the server's checkpoint)")
+    engine_kwargs: dict[str, Any] = {
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_encoder_tokens": max_num_encoder_tokens,
+    }
     results: dict[str, dict] = {}
     raw: dict[str, list[dict]] = {}
-    try:
-        for index, transport in enumerate(transports):
-            if index and workload == "prefix":
-                requests = requests_for(index)
-            timings, duration, cache = asyncio.run(
-                run_requests(
-                    url.rstrip("/"),
-                    requests,
-                    transport,
-                    request_rate,
-                    burstiness,
-                    max_concurrency,
-                    api_key,
-                    seed,
-                    progress,
-                    media_source=media_source,
-                    first_alone=workload == "prefix",
-                )
+    longest_prompt = 0
+    for system in ("mmserve", "no-chunk") if compare_no_chunk else ("mmserve",):
+        server: InProcessServer | ServerProcess | None = None
+        if url is None:
+            assert model is not None
+            if system == "no-chunk":  # whole prefills need a budget that holds the longest prompt
+                engine_kwargs |= {"scheduler_policy": "no_chunk", "chunk_encoder": False}
+                engine_kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, longest_prompt)
+            server = (
+                ServerProcess(model, **engine_kwargs)
+                if server_process
+                else InProcessServer(model, **engine_kwargs)
             )
-            results[transport] = compute_metrics(timings, duration, goodput_slos)
-            if workload == "prefix":
-                results[transport].update(first_vs_repeats_ttft(timings))
-            results[transport].update(cache)
-            errors = sorted({t.error for t in timings if t.error})
-            results[transport]["errors"] = errors[:10]
-            raw[transport] = [
-                {
-                    "ttft_s": t.ttft_s,
-                    "tpot_s": t.tpot_s,
-                    "e2el_s": t.e2el_s,
-                    "itls_s": t.itls_s,
-                    "output_tokens": t.output_tokens,
-                    "success": t.success,
-                }
-                for t in timings
-            ]
-    finally:
-        if server is not None:
-            server.close()
+        base_url = (server.url if server is not None else str(url)).rstrip("/")
+        try:
+            for index, transport in enumerate(transports):
+                if index and workload == "prefix":
+                    requests = requests_for(index)
+                timings, duration, cache = asyncio.run(
+                    run_requests(
+                        base_url,
+                        requests,
+                        transport,
+                        request_rate,
+                        burstiness,
+                        max_concurrency,
+                        api_key,
+                        seed,
+                        progress,
+                        media_source=media_source,
+                        first_alone=workload == "prefix",
+                        video_interval_s=video_interval_s,
+                    )
+                )
+                longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
+                key = transport if system == "mmserve" else f"{transport}/{system}"
+                results[key] = _figures(workload, timings, duration, cache, goodput_slos, requests)
+                raw[key] = [
+                    {
+                        "ttft_s": t.ttft_s,
+                        "tpot_s": t.tpot_s,
+                        "e2el_s": t.e2el_s,
+                        "itls_s": t.itls_s,
+                        "output_tokens": t.output_tokens,
+                        "success": t.success,
+                    }
+                    for t in timings
+                ]
+        finally:
+            if server is not None:
+                server.close()
     offline_figures = None
     if offline:
         assert model is not None
@@ -665,12 +721,13 @@ def bench_serve(
         for metrics in results.values():
             for key in ("output_throughput", "total_token_throughput"):
                 metrics[f"{key}_over_offline"] = metrics[key] / offline_figures[key]
+    comparison = _chunk_comparison(results, transports[0]) if compare_no_chunk else None
     report = {
         "config": {
             "model": str(model) if model else None,
-            "url": None if server else url,
-            "in_process_server": server is not None,
-            "server_process": server_process and server is not None,
+            "url": url,
+            "in_process_server": url is None,
+            "server_process": server_process and url is None,
             "transports": list(transports),
             "workload": workload,
             "num_prompts": num_prompts,
@@ -678,8 +735,8 @@ def bench_serve(
             "output_len": list(output_len),
             "num_images": num_images,
             "image_size": image_size,
-            "num_frames": num_frames if workload == "random-mm" else 0,
-            "video_size": video_size if workload == "random-mm" and num_frames else None,
+            "num_frames": num_frames if workload in ("random-mm", "long-video") else 0,
+            "video_size": video_size if workload in ("random-mm", "long-video") and num_frames else None,
             "media_source": media_source if workload == "random-mm" or num_images else None,
             "prefix_len": prefix_len if workload == "prefix" else None,
             "first_request_alone": workload == "prefix",
@@ -688,17 +745,64 @@ def bench_serve(
             "max_concurrency": max_concurrency,
             "goodput_slos_ms": goodput_slos,
             "seed": seed,
-            "max_num_seqs": max_num_seqs if server or offline else None,
-            "max_num_batched_tokens": max_num_batched_tokens if server or offline else None,
+            "max_num_seqs": max_num_seqs if url is None or offline else None,
+            "max_num_batched_tokens": max_num_batched_tokens if url is None or offline else None,
+            "max_num_encoder_tokens": max_num_encoder_tokens,
+            "num_videos": num_videos if workload == "long-video" else None,
+            "video_interval_s": video_interval_s if workload == "long-video" else None,
+            "compare_no_chunk": compare_no_chunk,
         },
         "results": results,
         "offline": offline_figures,
+        "chunk_vs_no_chunk": comparison,
         "requests": raw,
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _figures(
+    workload: str,
+    timings: list[RequestTiming],
+    duration: float,
+    cache: dict,
+    goodput_slos: dict[str, float] | None,
+    requests: list[BenchRequest],
+) -> dict:
+    """One transport's figures: vLLM's metrics, the workload's own, the server's cache hit rates, errors."""
+    figures = compute_metrics(timings, duration, goodput_slos)
+    if workload == "prefix":
+        figures.update(first_vs_repeats_ttft(timings))
+    if workload == "long-video":
+        texts = [t for t, r in zip(timings, requests, strict=True) if not r.late]
+        videos = [t for t, r in zip(timings, requests, strict=True) if r.late]
+        figures.update(video_interference(texts, videos))
+    figures.update(cache)
+    figures["errors"] = sorted({t.error for t in timings if t.error})[:10]
+    return figures
+
+
+def _chunk_comparison(results: dict[str, dict], transport: str) -> dict | None:
+    """long-video, chunked against no-chunk on `transport`: text ITL p99 and max while the videos were in,
+    and output throughput (above 1: chunking costs throughput)."""
+    chunk, whole = results.get(transport), results.get(f"{transport}/no-chunk")
+    if chunk is None or whole is None:
+        return None
+
+    def ratio(key: str) -> float | None:
+        a, b = chunk.get(key), whole.get(key)
+        return a / b if a is not None and b else None
+
+    return {
+        "transport": transport,
+        "p99_text_itl_in_window_chunk_over_no_chunk": ratio("text_itl_in_window_p99_ms"),
+        "max_text_itl_in_window_chunk_over_no_chunk": ratio("text_itl_in_window_max_ms"),
+        "output_throughput_no_chunk_over_chunk": (
+            whole["output_throughput"] / chunk["output_throughput"] if chunk["output_throughput"] else None
+        ),
+    }
 
 
 def format_report(report: dict) -> str:
@@ -716,6 +820,8 @@ def format_report(report: dict) -> str:
                 parts.append(
                     f"{title + ' hits (server):':<40}{rate:>12.1%} ({hits:.0f} of {queries:.0f} tokens)"
                 )
+        if metrics.get("video_window_s") is not None:
+            parts.append(_format_video_interference(metrics))
         if "output_throughput_over_offline" in metrics:
             parts.append(
                 f"{'Output / total tok/s over offline:':<40}{metrics['output_throughput_over_offline']:>12.3f}"
@@ -723,6 +829,14 @@ def format_report(report: dict) -> str:
             )
         if metrics.get("errors"):
             parts.append("errors: " + "; ".join(metrics["errors"]))
+    comparison = report.get("chunk_vs_no_chunk")
+    if comparison:
+        parts.append(
+            f"== chunked / no-chunk ({comparison['transport']}) ==\n"
+            f"{'p99 text ITL while videos are in:':<40}{_num(comparison['p99_text_itl_in_window_chunk_over_no_chunk'])}\n"
+            f"{'max text ITL while videos are in:':<40}{_num(comparison['max_text_itl_in_window_chunk_over_no_chunk'])}\n"
+            f"{'output tok/s, no-chunk / chunked:':<40}{_num(comparison['output_throughput_no_chunk_over_chunk'])}"
+        )
     offline = report.get("offline")
     if offline:
         parts.append(
@@ -731,6 +845,26 @@ def format_report(report: dict) -> str:
             f"{'Total token throughput (tok/s):':<40}{offline['total_token_throughput']:>12.2f}"
         )
     return "\n".join(parts)
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return f"{'n/a' if value is None else f'{value:.{digits}f}':>12}"
+
+
+def _format_video_interference(m: dict) -> str:
+    """The long-video workload's lines: text ITL while the videos were in the server, and outside."""
+    lines = [f"{'Videos in the server (s):':<40}{_num(m['video_window_s'], 2)}"]
+    for where, title in (("in", "while videos are in"), ("out", "otherwise")):
+        lines.append(
+            f"{f'Text ITL {title} (ms):':<40}p50 {_num(m[f'text_itl_{where}_window_p50_ms'], 1).strip()}, "
+            f"p99 {_num(m[f'text_itl_{where}_window_p99_ms'], 1).strip()}, "
+            f"max {_num(m[f'text_itl_{where}_window_max_ms'], 1).strip()}"
+        )
+    lines.append(
+        f"{'Video TTFT (ms):':<40}median {_num(m['video_ttft_median_ms'], 1).strip()}, "
+        f"max {_num(m['video_ttft_max_ms'], 1).strip()}"
+    )
+    return "\n".join(lines)
 
 
 def _format_first_vs_repeats(m: dict) -> str:
