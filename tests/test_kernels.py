@@ -75,6 +75,26 @@ def test_store_kv_cache_writes_only_the_given_slots() -> None:
     assert kv_cache.count_nonzero() == 2 * 2 * 3
 
 
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_rms_norm_fused_fp32_path_matches_transformers_formula(rows: int) -> None:
+    """RMSNorm takes F.rms_norm for fp32 input; the result equals Qwen2RMSNorm's steps (bf16 input keeps
+    the explicit steps: normalise in fp32, cast back, then the weight)."""
+    from mmserve.models.qwen2 import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x = torch.randn(rows, 96) * 3
+    expected = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), expected, atol=1e-6, rtol=1e-6)
+    xb, nb = x.bfloat16(), norm.bfloat16()
+    expected_bf16 = (
+        nb.weight * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    )
+    assert torch.equal(nb(xb), expected_bf16)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [1, 4, 64, 128, 129, 300])
 def test_linear_cpu_transposed_product_matches_f_linear(rows: int, bias: bool) -> None:
