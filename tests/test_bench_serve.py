@@ -158,7 +158,9 @@ def test_bench_serve_long_video_chunked_against_no_chunk(
     argv += ["--server-process", "--max-num-encoder-tokens", "16"]  # child servers: the serve flags are real
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert report["config"]["num_videos"] == 2 and report["config"]["num_frames"] == 8
+    config = report["config"]
+    assert config["num_videos"] == 2 and config["num_frames"] == 8
+    assert config["no_chunk_max_num_batched_tokens"] >= config["max_num_batched_tokens"]
     for key in ("ws", "ws/no-chunk"):
         m = report["results"][key]
         assert m["failed"] == 0 and m["completed"] == 10, m["errors"]

@@ -751,6 +751,10 @@ def bench_serve(
             "num_videos": num_videos if workload == "long-video" else None,
             "video_interval_s": video_interval_s if workload == "long-video" else None,
             "compare_no_chunk": compare_no_chunk,
+            # the no-chunk server's token budget: the longest prompt seen on the chunked one
+            "no_chunk_max_num_batched_tokens": engine_kwargs["max_num_batched_tokens"]
+            if compare_no_chunk
+            else None,
         },
         "results": results,
         "offline": offline_figures,
