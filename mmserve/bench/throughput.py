@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,34 +14,17 @@ import numpy as np
 import torch
 
 from mmserve.bench import SYSTEMS, WORKLOADS
+from mmserve.bench.hf_baselines import load_hf_model, run_hf_cb, run_hf_static
+from mmserve.bench.workloads import (
+    Workload,
+    long_video_workload,
+    prefix_workload,
+    random_mm_workload,
+    random_workload,
+)
 
 if TYPE_CHECKING:
     from mmserve import LLM, SamplingParams
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]  # token ids as the engine sees them (media placeholders expanded)
-    output_lens: list[int]
-    # random-mm / long-video: per request the chat-templated text with placeholders and its images (PIL)
-    # and videos ([T, H, W, 3] uint8), or None for a text request (the engine gets its `prompts` ids);
-    # transformers gets `prompts` plus pixels from its own image processor (videos: mmserve's, see
-    # _hf_media_kwargs).
-    mm_prompts: list[dict | None] | None = None
-    # long-video: the driver step after which each request is added (None: all at once, as generate()).
-    arrival_steps: list[int] | None = None
-    video_tokens: int = 0  # placeholder tokens of one video (0: no videos)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    def is_text(self, i: int) -> bool:
-        return self.mm_prompts is None or self.mm_prompts[i] is None
 
 
 @dataclass(frozen=True)
@@ -70,150 +52,6 @@ class SystemResult:
     timeline: list[dict] | None = None
     # With repeats > 1: every run's wall time, in run order; the other figures are the median run's.
     elapsed_s_runs: list[float] | None = None
-
-
-def random_workload(
-    vocab_size: int, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
-) -> Workload:
-    rng = random.Random(seed)
-    # Ids well inside the vocabulary, away from the special tokens at its end.
-    prompts = [
-        [rng.randrange(100, vocab_size - 200) for _ in range(rng.randint(*input_len))]
-        for _ in range(num_prompts)
-    ]
-    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_prompts)])
-
-
-def prefix_workload(
-    vocab_size: int,
-    num_prompts: int,
-    prefix_len: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    seed: int = 0,
-) -> Workload:
-    """Every prompt starts with the same `prefix_len` tokens, then a random suffix (prefix-cache hits)."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(100, vocab_size - 200) for _ in range(prefix_len)]
-    base = random_workload(vocab_size, num_prompts, input_len, output_len, seed + 1)
-    return Workload([prefix + p for p in base.prompts], base.output_lens)
-
-
-def _template(body: str) -> str:
-    return (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-        f"{body}<|im_end|>\n<|im_start|>assistant\n"
-    )
-
-
-_IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
-_VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
-FIRST_VIDEO_STEP = 4  # long-video: steps after the text prefills before the first video arrives
-VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
-
-
-def _random_frames(np_rng: np.random.Generator, num_frames: int, size: int) -> np.ndarray:
-    return np_rng.integers(0, 255, (num_frames, size, size, 3), dtype=np.uint8)  # [T, H, W, 3]
-
-
-def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
-    """The engine's token ids of each prompt (placeholders expanded by mmserve's own processor; nothing
-    runs, the KV pool is only big enough that the model's own context limit applies), and the
-    placeholder length of the last video seen (0: none)."""
-    from mmserve import LLM, SamplingParams
-
-    processor = LLM(model_dir, num_kv_blocks=4096).processor
-    ids, video_tokens = [], 0
-    for i, p in enumerate(prompts):
-        request = processor.process(p, SamplingParams(max_tokens=1), f"w{i}")[0]
-        ids.append(request.prompt_token_ids)
-        video_tokens = next(
-            (m.placeholder.length for m in request.mm_inputs if m.modality == "video"), video_tokens
-        )
-    return ids, video_tokens
-
-
-def random_mm_workload(
-    model_dir: Path,
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    num_images: int = 1,
-    image_size: int = 64,
-    seed: int = 0,
-    num_frames: int = 0,
-    video_size: int = 112,
-) -> Workload:
-    """Each prompt: `num_images` random images of `image_size`^2 pixels, then (num_frames > 0) one video
-    of `num_frames` random `video_size`^2 frames, all distinct (no cache hits), and a random text."""
-    from PIL import Image
-
-    if num_images < 0 or num_frames < 0 or num_images + num_frames == 0:
-        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
-    words = "red blue green circle square shape image count colour left right top bottom".split()
-    mm_prompts: list[dict | None] = []
-    for _ in range(num_prompts):
-        images = [
-            Image.fromarray(np_rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8))
-            for _ in range(num_images)
-        ]
-        videos = [_random_frames(np_rng, num_frames, video_size)] if num_frames else []
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(*input_len)))
-        marks = _IMAGE_MARK * num_images + _VIDEO_MARK * len(videos)
-        mm_prompts.append({"prompt": _template(marks + text), "images": images, "videos": videos})
-    ids, video_tokens = _expand(model_dir, mm_prompts)
-    out_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
-    return Workload(ids, out_lens, mm_prompts, video_tokens=video_tokens)
-
-
-def long_video_workload(
-    model_dir: Path,
-    vocab_size: int,
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    num_videos: int,
-    num_frames: int,
-    video_size: int,
-    interval_steps: int,
-    max_num_batched_tokens: int,
-    max_num_encoder_tokens: int,
-    seed: int = 0,
-) -> Workload:
-    """`num_prompts` random text requests added at once, then `num_videos` video requests (one random
-    video and a short question each) added one every `interval_steps` driver steps, the first
-    FIRST_VIDEO_STEP steps after the text prompts could have prefilled at the token budget. The
-    schedule counts steps, not seconds, so every mmserve system sees the same arrivals.
-
-    Text outputs are the random lengths plus enough steps to outlast every video's chunked prefill
-    (budget left beside the decodes, or the encoder budget, whichever is smaller), so the videos
-    always arrive into a steady set of decodes."""
-    if num_videos < 1 or num_frames < 1 or interval_steps < 1:
-        raise ValueError("long-video needs --num-videos, --num-frames and --video-interval-steps >= 1")
-    text = random_workload(vocab_size, num_prompts, input_len, output_len, seed)
-    np_rng = np.random.default_rng(seed + 1)
-    videos = [
-        {
-            "prompt": _template(_VIDEO_MARK + f"What happens in clip {j}?"),
-            "videos": [_random_frames(np_rng, num_frames, video_size)],
-        }
-        for j in range(num_videos)
-    ]
-    video_ids, video_tokens = _expand(model_dir, videos)
-    first = -(-text.num_prompt_tokens // max_num_batched_tokens) + FIRST_VIDEO_STEP
-    arrivals = [first + j * interval_steps for j in range(num_videos)]
-    per_step = max(1, min(max_num_batched_tokens - num_prompts, max_num_encoder_tokens))
-    prefill_steps = sum(-(-len(p) // per_step) for p in video_ids)
-    cover = arrivals[-1] + prefill_steps + VIDEO_OUTPUT_LEN
-    return Workload(
-        prompts=text.prompts + video_ids,
-        output_lens=[n + cover for n in text.output_lens] + [VIDEO_OUTPUT_LEN] * num_videos,
-        mm_prompts=[None] * num_prompts + videos,
-        arrival_steps=[0] * num_prompts + arrivals,
-        video_tokens=video_tokens,
-    )
 
 
 class StepTimer:
@@ -458,142 +296,6 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]]) -> d
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
         "timeline": step_timeline(steps),
     }
-
-
-def _hf_media_kwargs(
-    model: torch.nn.Module, model_dir: Path, workload: Workload, idx: list[int], ids: torch.Tensor
-) -> dict:
-    """Media inputs of the batch's requests, in order: images through transformers' own image processor;
-    videos through mmserve's frame-by-frame preprocessing (transformers' video processor needs
-    torchvision), as tests/test_mm_parity.py. Token types mark image (1) and video (2) placeholders."""
-    if workload.mm_prompts is None:
-        return {}
-    prompts = [workload.mm_prompts[i] for i in idx if workload.mm_prompts[i] is not None]
-    images = [im for p in prompts for im in p.get("images", [])]
-    videos = [v for p in prompts for v in p.get("videos", [])]
-    if not images and not videos:
-        return {}
-    cfg = model.config
-    kwargs = {
-        "mm_token_type_ids": (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
-    }
-    if images:
-        from transformers import AutoImageProcessor
-
-        px = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")
-        kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
-    if videos:
-        from mmserve.encoders.media import DEFAULT_LIMITS
-        from mmserve.encoders.preprocess import load_preprocess_config, preprocess_video
-
-        vcfg = load_preprocess_config(model_dir, "video")
-        processed = [preprocess_video(v, vcfg) for v in videos]
-        kwargs.update(
-            pixel_values_videos=torch.cat([p.pixel_values for p in processed]),
-            video_grid_thw=torch.tensor([p.grid_thw for p in processed]),
-        )
-        if cfg.model_type == "qwen2_5_vl":  # arrays are taken at the default sampling rate, as mmserve
-            kwargs["second_per_grid_ts"] = torch.tensor(
-                [vcfg.temporal_patch_size / DEFAULT_LIMITS.video_fps] * len(processed)
-            )
-    return kwargs
-
-
-def run_hf_static(
-    model: torch.nn.Module, workload: Workload, batch_size: int, pad_id: int, model_dir: Path | None = None
-) -> tuple[float, list[list[int]]]:
-    """transformers generate() in fixed batches, left padded, each batch running to its longest request.
-
-    long-video: the batches follow arrival order (workload order: the texts, then the videos), but the
-    arrival steps do not apply: a static batch takes no request once it runs, so a video simply waits
-    for the batch before it, and no ITL is reported."""
-    order = list(range(len(workload.prompts)))
-    results: list[list[int]] = [[] for _ in order]
-    start = time.perf_counter()
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        width = max(len(workload.prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            p = workload.prompts[i]
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        max_new = max(workload.output_lens[i] for i in idx)
-        media = _hf_media_kwargs(model, model_dir, workload, idx, ids) if model_dir else {}
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                **media,
-                max_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=pad_id,
-            )
-        for row, i in enumerate(idx):
-            results[i] = out[row, width : width + workload.output_lens[i]].tolist()
-    return time.perf_counter() - start, results
-
-
-def run_hf_cb(
-    model: torch.nn.Module, workload: Workload, max_num_seqs: int, max_num_batched_tokens: int
-) -> tuple[float, list[list[int]]]:
-    """transformers' own continuous batching (`generate_batch`, paged cache), text only. Its KV pool is
-    sized to the workload (its default sizes itself to most of the free memory, slowly, on a CPU)."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    if workload.mm_prompts is not None:
-        raise ValueError("hf-cb runs text workloads only")
-    page = 16
-    cb = ContinuousBatchingConfig(
-        page_size=page,
-        num_blocks=sum(
-            -(-(len(p) + n) // page) for p, n in zip(workload.prompts, workload.output_lens, strict=True)
-        )
-        + 16,
-        max_batch_tokens=max_num_batched_tokens,
-        max_requests_per_batch=max_num_seqs,
-    )
-
-    def gen(prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-        # generate_batch has one max_new_tokens for all; its manager takes one per request, as here.
-        config = GenerationConfig(
-            max_new_tokens=max(max_new), do_sample=False, eos_token_id=-1, pad_token_id=0
-        )
-        results: dict[str, list[int]] = {}
-        with (
-            torch.inference_mode(),
-            model.continuous_batching_context_manager(
-                generation_config=config, continuous_batching_config=cb, block=True, timeout=5, warmup=False
-            ) as manager,
-        ):
-            for i, (p, n) in enumerate(zip(prompts, max_new, strict=True)):
-                manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-            while len(results) < len(prompts):
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    results[result.request_id] = list(result.generated_tokens)
-                elif result is None and not manager.is_running():
-                    raise RuntimeError("transformers' continuous batching thread died")
-        return [results[f"r{i}"] for i in range(len(prompts))]
-
-    gen([p[::-1] for p in workload.prompts[:2]], [2, 2])  # warm-up
-    start = time.perf_counter()
-    tokens = gen(workload.prompts, workload.output_lens)
-    return time.perf_counter() - start, tokens
-
-
-def load_hf_model(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    auto = (
-        AutoModelForCausalLM
-        if AutoConfig.from_pretrained(model_dir).model_type == "qwen2"
-        else AutoModelForImageTextToText
-    )
-    return auto.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _run_system(
