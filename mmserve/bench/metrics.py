@@ -93,6 +93,18 @@ def summarize_ms(values_s: Sequence[float], name: str, percentiles: Sequence[flo
     return out
 
 
+def throughput_figures(num_requests: int, input_tokens: int, output_tokens: int, duration_s: float) -> dict:
+    """Duration, token totals and request / output / total token throughput, under vLLM's key names."""
+    return {
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": num_requests / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+    }
+
+
 def compute_metrics(
     timings: Sequence[RequestTiming],
     duration_s: float,
@@ -112,12 +124,7 @@ def compute_metrics(
     metrics: dict = {
         "completed": len(ok),
         "failed": len(timings) - len(ok),
-        "duration_s": duration_s,
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration_s,
-        "output_throughput": total_out / duration_s,
-        "total_token_throughput": (total_in + total_out) / duration_s,
+        **throughput_figures(len(ok), total_in, total_out, duration_s),
         "goodput_slos_ms": dict(goodput_slos) if goodput_slos else None,
         "request_goodput": (
             sum(meets_slos(t, goodput_slos) for t in timings) / duration_s if goodput_slos else None

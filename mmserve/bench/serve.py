@@ -25,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.bench.metrics import RequestTiming, compute_metrics, first_vs_repeats_ttft, video_interference
+from mmserve.bench.metrics import (
+    RequestTiming,
+    compute_metrics,
+    first_vs_repeats_ttft,
+    throughput_figures,
+    video_interference,
+)
 
 WORKLOADS = ("random", "random-mm", "prefix", "long-video")
 MEDIA_SOURCES = ("data-url", "upload")
@@ -561,14 +567,7 @@ def offline_baseline(
     duration = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.token_ids) for o in outputs)
-    return {
-        "duration_s": duration,
-        "total_input_tokens": prompt_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(outputs) / duration,
-        "output_throughput": output_tokens / duration,
-        "total_token_throughput": (prompt_tokens + output_tokens) / duration,
-    }
+    return throughput_figures(len(outputs), prompt_tokens, output_tokens, duration)
 
 
 def _load_tokenizer(model: Path | None) -> Any | None:
