@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mmserve.cli import main
@@ -139,10 +140,14 @@ def test_bench_serve_server_process_against_offline(
     m, offline = report["results"]["ws"], report["offline"]
     assert m["failed"] == 0 and m["completed"] == 8, m["errors"]
     assert m["server_prefix_cache_queries"] > 0  # /metrics of the child was scraped
+    assert report["config"]["in_process_server"] is False
     assert offline["total_input_tokens"] == m["total_input_tokens"]
     assert offline["total_output_tokens"] == m["total_output_tokens"]
     for key in ("output_throughput", "total_token_throughput"):
         assert m[f"{key}_over_offline"] == pytest.approx(m[key] / offline[key])
+    # The child server was stopped: no `mmserve serve` process of ours is left.
+    children = psutil.Process().children(recursive=True)
+    assert not [c for c in children if "serve" in " ".join(c.cmdline())], children
 
 
 def test_bench_serve_long_video_chunked_against_no_chunk(
@@ -155,12 +160,14 @@ def test_bench_serve_long_video_chunked_against_no_chunk(
     out = tmp_path / "serve.json"
     argv = ["bench", "serve", "--model", str(tiny_model_dir("qwen2_vl")), "--quick", "--no-progress"]
     argv += ["--json", str(out), "--workload", "long-video", "--compare-no-chunk", "--transport", "ws"]
-    argv += ["--server-process", "--max-num-encoder-tokens", "16"]  # child servers: the serve flags are real
+    # Child servers, so the serve flags are real; a budget of 32 is below the longest prompt, so the
+    # no-chunk server's budget must have been raised for its whole prefills to be admitted.
+    argv += ["--server-process", "--max-num-encoder-tokens", "16", "--max-num-batched-tokens", "32"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     config = report["config"]
     assert config["num_videos"] == 2 and config["num_frames"] == 8
-    assert config["no_chunk_max_num_batched_tokens"] >= config["max_num_batched_tokens"]
+    assert config["no_chunk_max_num_batched_tokens"] > config["max_num_batched_tokens"] == 32
     for key in ("ws", "ws/no-chunk"):
         m = report["results"][key]
         assert m["failed"] == 0 and m["completed"] == 10, m["errors"]
@@ -179,10 +186,9 @@ def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
     no_media = ["--workload", "random-mm", "--num-images", "0"]
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *no_media]) == 2
-    assert (
-        main(
-            ["bench", "serve", "--url", "http://127.0.0.1:9", "--workload", "long-video", "--num-videos", "0"]
-        )
-        == 2
-    )
+    url = ["bench", "serve", "--url", "http://127.0.0.1:9"]
+    assert main([*url, "--workload", "long-video", "--num-videos", "0"]) == 2
+    # The offline baseline must run the server's own checkpoint: with --url it has to be named.
+    assert main([*url, "--offline"]) == 2
+    assert main([*url, "--compare-no-chunk", "--workload", "long-video"]) == 2  # it starts its own servers
     assert "goodput" in capsys.readouterr().err

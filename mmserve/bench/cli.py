@@ -410,9 +410,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
         num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
         if long_video:  # texts long enough to outlast two small videos
             output_len, num_frames, video_size = (48, 64), min(num_frames, 8), min(video_size, 56)
-    model = (
-        args.model if args.url and not (args.offline or args.compare_no_chunk) else _bench_model(args.model)
-    )
+    # With --url the checkpoint is only the one named (the prompt tokenizer; --offline needs the server's
+    # own); without, the bench preset serves.
+    model = args.model if args.url else _bench_model(args.model)
     try:
         report = bench_serve(
             model=model,

@@ -503,8 +503,8 @@ class InProcessServer:
 
 class ServerProcess:
     """`mmserve serve` in a child process on a free port, as it is deployed: its engine loop and event
-    loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to
-    `log_path` (default: a temporary file, echoed when the server fails to come up)."""
+    loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to a
+    temporary file, whose tail is raised when the server fails to come up."""
 
     def __init__(self, model: Path, startup_timeout_s: float = 300.0, **engine_kwargs: Any) -> None:
         """`engine_kwargs`: EngineArgs fields that `mmserve serve` has flags for (None: its default)."""
@@ -515,8 +515,10 @@ class ServerProcess:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        # No queue cap below the benchmark's own load, as InProcessServer.
         cmd = [sys.executable, "-m", "mmserve", "serve", "--model", str(model), "--port", str(port),
-               "--served-model-name", "bench", "--log-level", "warning"]  # fmt: skip
+               "--served-model-name", "bench", "--log-level", "warning",
+               "--max-waiting-requests", str(1 << 20)]  # fmt: skip
         for name, value in engine_kwargs.items():
             if name == "chunk_encoder":
                 cmd += [] if value else ["--no-chunk-encoder"]
@@ -524,23 +526,28 @@ class ServerProcess:
                 cmd += [f"--{name.replace('_', '-')}", str(value)]
         env = {**os.environ, "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
         env.pop("MMSERVE_API_KEY", None)
-        self._log_path = Path(self._tmp.name) / "server.log"
-        self._log = self._log_path.open("w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the server did not come up: {self._log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        log_path = Path(self._tmp.name) / "server.log"
+        self._log = log_path.open("w")
+        self.proc: subprocess.Popen | None = None
+        try:  # whatever happens before it is up (Ctrl-C included), no child or temp dir is left behind
+            self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self._log.flush()
+                    raise RuntimeError(f"the server did not come up: {log_path.read_text()[-2000:]}")
+                try:
+                    if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(30)
@@ -552,14 +559,23 @@ class ServerProcess:
 
 
 def offline_baseline(
-    model: Path, requests: list[BenchRequest], max_num_seqs: int, max_num_batched_tokens: int
+    model: Path,
+    requests: list[BenchRequest],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_num_encoder_tokens: int | None = None,
 ) -> dict:
     """The same requests (messages, output lengths, greedy, ignore_eos) through the offline `LLM.chat`
     with the server's engine settings, in this process: the throughput the serving path is compared
     with, on exactly the same work. A warm-up request first, not counted."""
     from mmserve import LLM, SamplingParams
 
-    llm = LLM(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(
+        model,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_encoder_tokens=max_num_encoder_tokens,
+    )
     llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(max_tokens=2, temperature=0.0))
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     start = time.perf_counter()
@@ -651,8 +667,8 @@ def bench_serve(
     requests = requests_for(0)  # built before any server starts: bad workload options fail fast
     if url is None and model is None:
         raise ValueError("give --url or --model")
-    if url is not None and compare_no_chunk:
-        raise ValueError("--compare-no-chunk starts its own servers; drop --url")
+    if compare_no_chunk and (url is not None or workload != "long-video"):
+        raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url)")
     if url is not None and offline and model is None:
         raise ValueError("the offline baseline needs --model (the server's checkpoint)")
     engine_kwargs: dict[str, Any] = {
@@ -716,7 +732,9 @@ def bench_serve(
     offline_figures = None
     if offline:
         assert model is not None
-        offline_figures = offline_baseline(model, requests_for(0), max_num_seqs, max_num_batched_tokens)
+        offline_figures = offline_baseline(
+            model, requests_for(0), max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens
+        )
         for metrics in results.values():
             for key in ("output_throughput", "total_token_throughput"):
                 metrics[f"{key}_over_offline"] = metrics[key] / offline_figures[key]
@@ -725,7 +743,7 @@ def bench_serve(
         "config": {
             "model": str(model) if model else None,
             "url": url,
-            "in_process_server": url is None,
+            "in_process_server": url is None and not server_process,
             "server_process": server_process and url is None,
             "transports": list(transports),
             "workload": workload,

@@ -233,6 +233,7 @@ class AsyncEngine:
                         self._flush()
                         return
                     self._handle(message, core, outputs)
+                self._flush()  # refusals and aborts' final outputs go out now, not after the next step
                 if not core.has_unfinished_requests():
                     continue
                 try:
