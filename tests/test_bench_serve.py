@@ -147,7 +147,7 @@ def test_bench_serve_server_process_against_offline(
         assert m[f"{key}_over_offline"] == pytest.approx(m[key] / offline[key])
     # The child server was stopped: no `mmserve serve` process of ours is left.
     children = psutil.Process().children(recursive=True)
-    assert not [c for c in children if "serve" in " ".join(c.cmdline())], children
+    assert not [c for c in children if c.cmdline()[1:4] == ["-m", "mmserve", "serve"]], children
 
 
 def test_bench_serve_long_video_chunked_against_no_chunk(
