@@ -163,6 +163,14 @@ def _bench_long_video(args: argparse.Namespace) -> int:
     return 0
 
 
+def _video_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """(--num-frames, --video-size) or the workload's defaults: long-video 64 frames of 224^2, otherwise
+    no video (random-mm: 112^2 when --num-frames asks for one)."""
+    long_video = args.workload == "long-video"
+    num_frames = args.num_frames if args.num_frames is not None else (64 if long_video else 0)
+    return num_frames, args.video_size or (224 if long_video else 112)
+
+
 def _bench_throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.throughput import bench_throughput, format_report
 
@@ -175,8 +183,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     prefix_len, num_videos = args.prefix_len, args.num_videos
     long_video = args.workload == "long-video"
     # Per-workload defaults: long-video has long videos under a small budget, so chunking shows.
-    num_frames = args.num_frames if args.num_frames is not None else 64 if long_video else 0
-    video_size = args.video_size or (224 if long_video else 112)
+    num_frames, video_size = _video_shape(args)
     budget = args.max_num_batched_tokens or (512 if long_video else 2048)
     encoder_budget = args.max_num_encoder_tokens or (128 if long_video else None)
     if args.quick:
@@ -404,8 +411,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         _parse_range(args.output_len),
     )
     long_video = args.workload == "long-video"
-    num_frames = args.num_frames if args.num_frames is not None else (64 if long_video else 0)
-    video_size = args.video_size or (224 if long_video else 112)
+    num_frames, video_size = _video_shape(args)
     if args.quick:
         num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
         if long_video:  # texts long enough to outlast two small videos

@@ -854,9 +854,9 @@ def format_report(report: dict) -> str:
     if comparison:
         parts.append(
             f"== chunked / no-chunk ({comparison['transport']}) ==\n"
-            f"{'p99 text ITL while videos are in:':<40}{_num(comparison['p99_text_itl_in_window_chunk_over_no_chunk'])}\n"
-            f"{'max text ITL while videos are in:':<40}{_num(comparison['max_text_itl_in_window_chunk_over_no_chunk'])}\n"
-            f"{'output tok/s, no-chunk / chunked:':<40}{_num(comparison['output_throughput_no_chunk_over_chunk'])}"
+            f"{'p99 text ITL while videos are in:':<40}{_num(comparison['p99_text_itl_in_window_chunk_over_no_chunk'], 3):>12}\n"
+            f"{'max text ITL while videos are in:':<40}{_num(comparison['max_text_itl_in_window_chunk_over_no_chunk'], 3):>12}\n"
+            f"{'output tok/s, no-chunk / chunked:':<40}{_num(comparison['output_throughput_no_chunk_over_chunk'], 3):>12}"
         )
     offline = report.get("offline")
     if offline:
@@ -868,38 +868,33 @@ def format_report(report: dict) -> str:
     return "\n".join(parts)
 
 
-def _num(value: float | None, digits: int = 3) -> str:
-    return f"{'n/a' if value is None else f'{value:.{digits}f}':>12}"
+def _num(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def _format_video_interference(m: dict) -> str:
     """The long-video workload's lines: text ITL while the videos were in the server, and outside."""
-    lines = [f"{'Videos in the server (s):':<40}{_num(m['video_window_s'], 2)}"]
+    lines = [f"{'Videos in the server (s):':<40}{_num(m['video_window_s'], 2):>12}"]
     for where, title in (("in", "while videos are in"), ("out", "otherwise")):
         lines.append(
-            f"{f'Text ITL {title} (ms):':<40}p50 {_num(m[f'text_itl_{where}_window_p50_ms'], 1).strip()}, "
-            f"p99 {_num(m[f'text_itl_{where}_window_p99_ms'], 1).strip()}, "
-            f"max {_num(m[f'text_itl_{where}_window_max_ms'], 1).strip()}"
+            f"{f'Text ITL {title} (ms):':<40}p50 {_num(m[f'text_itl_{where}_window_p50_ms'])}, "
+            f"p99 {_num(m[f'text_itl_{where}_window_p99_ms'])}, "
+            f"max {_num(m[f'text_itl_{where}_window_max_ms'])}"
         )
     lines.append(
-        f"{'Video TTFT (ms):':<40}median {_num(m['video_ttft_median_ms'], 1).strip()}, "
-        f"max {_num(m['video_ttft_max_ms'], 1).strip()}"
+        f"{'Video TTFT (ms):':<40}median {_num(m['video_ttft_median_ms'])}, max {_num(m['video_ttft_max_ms'])}"
     )
     return "\n".join(lines)
 
 
 def _format_first_vs_repeats(m: dict) -> str:
     """The prefix workload's TTFT lines: request 0 (cold) against the repeats."""
-
-    def ms(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.1f}"
-
     ratio = m["ttft_repeats_over_first"]
     return "\n".join(
         [
-            f"{'TTFT of the first request (ms):':<40}{ms(m['ttft_first_ms']):>12}",
-            f"{'TTFT of repeats (ms):':<40}median {ms(m['ttft_repeats_median_ms'])}, "
-            f"p90 {ms(m['ttft_repeats_p90_ms'])}",
-            f"{'TTFT repeats median / first:':<40}{'n/a' if ratio is None else f'{ratio:.3f}':>12}",
+            f"{'TTFT of the first request (ms):':<40}{_num(m['ttft_first_ms']):>12}",
+            f"{'TTFT of repeats (ms):':<40}median {_num(m['ttft_repeats_median_ms'])}, "
+            f"p90 {_num(m['ttft_repeats_p90_ms'])}",
+            f"{'TTFT repeats median / first:':<40}{_num(ratio, 3):>12}",
         ]
     )
