@@ -165,6 +165,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="encode each image or video whole in one step, as vLLM does (default: a video's frame groups "
         "as the prefill reaches them)",
     )
+    serve.add_argument(
+        "--encoder-token-cost",
+        type=float,
+        default=0.0,
+        help="tokens of the step's token budget that each embedding token the encoder computes uses up, so "
+        "steps that encode prefill less (default 0: the encoder has only its own budget)",
+    )
     _add_slo_flags(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
@@ -223,6 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         chunk_encoder=not args.no_chunk_encoder,
+        encoder_token_cost=args.encoder_token_cost,
         **_slo_engine_kwargs(args),
     )
     settings = ServerSettings(

@@ -24,6 +24,10 @@ class SchedulerConfig:
         None  # embedding tokens held at once; None: 4x the encoder budget, >= 8192
     )
     chunk_encoder: bool = True  # encode a video's temporal groups only as the prefill reaches them
+    # Tokens of max_num_batched_tokens that each embedding token the encoder computes in a step uses up
+    # (its time over a decoder token's), so a step that encodes also prefills less and the longest step
+    # stays near the others. 0: the encoder has only its own budget, max_num_encoder_tokens.
+    encoder_token_cost: float = 0.0
     # -- the `slo` policy (scheduler/slo.py); other policies ignore these -------------------------
     interactive_slo: SLO = DEFAULT_INTERACTIVE_SLO  # class defaults, under a request's own targets
     batch_slo: SLO = DEFAULT_BATCH_SLO
@@ -63,7 +67,7 @@ class SchedulerConfig:
             share = getattr(self, name)
             if not isinstance(share, (int, float)) or isinstance(share, bool) or not (0.0 <= share < 1.0):
                 raise InvalidRequestError(f"{name}: must be a number in [0, 1), got {share!r}", param=name)
-        for name in ("batch_aging_ms", "pin_ms", "tbt_slack_ms"):
+        for name in ("batch_aging_ms", "pin_ms", "tbt_slack_ms", "encoder_token_cost"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0.0):
                 raise InvalidRequestError(f"{name}: must be a number >= 0, got {value!r}", param=name)
@@ -112,6 +116,7 @@ class EngineArgs:
     max_num_encoder_tokens: int | None = None  # None: max_num_batched_tokens
     encoder_cache_size: int | None = None  # None: 4x the encoder budget, at least 8192
     chunk_encoder: bool = True  # False: encode each media item whole, as vLLM does
+    encoder_token_cost: float = 0.0  # budget tokens per encoded embedding token; see SchedulerConfig
     # -- the `slo` policy (scheduler_policy="slo"; the others ignore these) --------------------------
     # Server defaults of the interactive class; a request's own `slo` overrides them field by field.
     # None: no target of that kind. Batch requests have no default target.
@@ -152,6 +157,7 @@ class EngineArgs:
             max_num_encoder_tokens=self.max_num_encoder_tokens,
             encoder_cache_size=self.encoder_cache_size,
             chunk_encoder=self.chunk_encoder,
+            encoder_token_cost=self.encoder_token_cost,
             interactive_slo=SLO(self.interactive_ttft_ms, self.interactive_tbt_ms),
             max_batch_decode_skips=self.max_batch_decode_skips,
             batch_min_share=self.batch_min_share,

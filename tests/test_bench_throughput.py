@@ -102,6 +102,21 @@ def test_long_video_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path)
     assert report["throughput_cost_of_chunking"] < 1
 
 
+def test_long_video_with_an_encoder_token_cost_keeps_greedy_outputs(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    report = run_quick(
+        tiny_model_dir("qwen2_vl"), tmp_path / "lv.json", "long-video", ["mmserve", "hf-static"],
+        "--encoder-token-cost", "1",
+    )  # fmt: skip
+    assert report["config"]["encoder_token_cost"] == 1.0
+    assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
+    # Every step that encodes gives up budget for it: its tokens and its encoder tokens fit the 64.
+    timeline = report["systems"]["mmserve"]["timeline"]
+    encoding = [s for s in timeline if s["encoder_tokens"]]
+    assert encoding and all(s["decode_tokens"] + s["prefill_tokens"] < 64 for s in encoding)
+
+
 @pytest.mark.parametrize(
     "args",
     [

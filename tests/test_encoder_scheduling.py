@@ -221,3 +221,54 @@ def test_without_encoder_chunking_a_grant_never_exceeds_the_token_budget() -> No
     sched.add_request(media_request("v", 170, [("vid", 2, 160, 10)]))
     for plan in run(sched):
         assert plan.num_scheduled_tokens <= 16
+
+
+def _costed_scheduler(budget: int, cost: float, encoder_budget: int | None = None) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(budget, 16, 512, "fcfs", max_num_encoder_tokens=encoder_budget, encoder_token_cost=cost),
+        CacheConfig(4, 256, True),
+    )
+
+
+def test_encoder_token_cost_takes_its_share_of_the_token_budget() -> None:
+    # Groups of 6 at 2, 8, 14, 20; budget 20, two groups' encoding per step.
+    plain, costed = _costed_scheduler(20, 0.0, 12), _costed_scheduler(20, 0.5, 12)
+    for sched in (plain, costed):
+        sched.add_request(media_request("v", 30, [("vid", 2, 24, 4)]))
+    p_plain, p_costed = step(plain), step(costed)
+    assert work(p_plain) == work(p_costed) == [("vid", 0), ("vid", 1)]
+    # Without a cost the chunk runs to the first group it cannot encode (14); with it, each encoded
+    # group takes ceil(0.5 x 6) = 3 of the 20 tokens.
+    assert p_plain.scheduled[0].num_scheduled_tokens == 14
+    assert p_costed.scheduled[0].num_scheduled_tokens == 14  # 14 + 6 charged = 20
+    p_costed = step(costed)  # 14..: groups 2 and 3 encoded, 6 charged: 14 tokens, the last 2 left
+    assert work(p_costed) == [("vid", 2), ("vid", 3)] and p_costed.scheduled[0].num_scheduled_tokens == 14
+    assert step(costed).scheduled[0].num_scheduled_tokens == 2
+
+
+def test_encoder_token_cost_shrinks_the_chunk_beside_running_decodes() -> None:
+    sched = _costed_scheduler(16, 1.0)
+    for i in range(4):  # four decodes running
+        sched.add_request(media_request(f"d{i}", 1, [], first=100 + i, max_tokens=50))
+    step(sched)
+    sched.add_request(media_request("v", 40, [("vid", 0, 36, 6)]))  # groups of 6
+    plan = step(sched)
+    video = next(s for s in plan.scheduled if s.request_id == "v")
+    # 4 decodes + 12 left: group 0 charged 6, so 6 prefill tokens (group 0 whole); group 1 would need
+    # its own 6 plus one of its tokens.
+    assert work(plan) == [("vid", 0)] and video.num_scheduled_tokens == 6
+    assert plan.num_scheduled_tokens + 6 <= 16
+
+
+def test_encoder_token_cost_never_starves_a_chunk() -> None:
+    # A cost far above what is left after the decodes: the charge is capped so the chunk still reaches
+    # one token into each group, and the video finishes.
+    sched = _costed_scheduler(8, 100.0)
+    for i in range(6):
+        sched.add_request(media_request(f"d{i}", 1, [], first=100 + i, max_tokens=40))
+    step(sched)
+    sched.add_request(media_request("v", 30, [("vid", 2, 24, 4)], max_tokens=2))
+    plans = run(sched)
+    assert sum(len(work(p)) for p in plans) == 4
+    assert all(p.num_scheduled_tokens <= 8 for p in plans)
+    assert sched.encoder_cache.num_referenced_tokens == 0 and sched.kv.num_free_blocks == 256

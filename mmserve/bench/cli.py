@@ -39,6 +39,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="encoder budget per step (default: the token budget; long-video: 128)",
     )
+    tput.add_argument(
+        "--encoder-token-cost",
+        type=float,
+        default=0.0,
+        help="budget tokens each encoded embedding token takes (mmserve systems; default 0)",
+    )
     tput.add_argument("--hf-batch-size", type=int, default=16)
     tput.add_argument("--seed", type=int, default=0)
     tput.add_argument(
@@ -214,6 +220,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             video_interval_steps=args.video_interval_steps,
             max_num_encoder_tokens=encoder_budget,
             repeats=args.repeats,
+            encoder_token_cost=args.encoder_token_cost,
         )
     except ValueError as exc:
         print(str(exc), file=sys.stderr)

@@ -157,6 +157,7 @@ def _make_llm(
     max_num_seqs: int,
     budget: int,
     encoder_budget: int | None,
+    encoder_token_cost: float = 0.0,
 ) -> LLM:
     from mmserve import LLM
 
@@ -170,6 +171,7 @@ def _make_llm(
         max_num_batched_tokens=budget,
         max_num_encoder_tokens=encoder_budget,
         chunk_encoder=chunk_encoder,
+        encoder_token_cost=encoder_token_cost,
     )
 
 
@@ -209,11 +211,14 @@ def run_mmserve(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_num_encoder_tokens: int | None = None,
+    encoder_token_cost: float = 0.0,
 ) -> MmserveRun:
     """All requests through `LLM.generate` at once, or (long-video) through the arrival driver."""
     from mmserve import SamplingParams
 
-    llm = _make_llm(model_dir, system, workload, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens)
+    llm = _make_llm(
+        model_dir, system, workload, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens, encoder_token_cost
+    )
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     _warm_up(llm, workload)
     arrivals = None
@@ -307,6 +312,7 @@ def _run_system(
     max_num_batched_tokens: int,
     max_num_encoder_tokens: int | None,
     hf_batch_size: int,
+    encoder_token_cost: float = 0.0,
 ) -> tuple[float, list[list[int]], MmserveRun | None]:
     """One timed run: (elapsed seconds, greedy tokens per request, mmserve's extra figures or None)."""
     if system == "hf-static":
@@ -314,8 +320,9 @@ def _run_system(
     if system == "hf-cb":
         return (*run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens), None)
     run = run_mmserve(
-        model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens
-    )
+        model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens,
+        encoder_token_cost,
+    )  # fmt: skip
     return run.elapsed_s, run.tokens, run
 
 
@@ -341,6 +348,7 @@ def bench_throughput(
     video_interval_steps: int = 8,
     max_num_encoder_tokens: int | None = None,
     repeats: int = 1,
+    encoder_token_cost: float = 0.0,
 ) -> dict:
     """Every system on the same workload, `repeats` times round-robin (so drift on a shared machine
     hits every system alike); each system reports its median run, the roofline its best measurement."""
@@ -390,7 +398,7 @@ def bench_throughput(
             for system in systems:
                 run = _run_system(
                     system, model_dir, hf_model, workload, max_num_seqs, max_num_batched_tokens,
-                    max_num_encoder_tokens, hf_batch_size,
+                    max_num_encoder_tokens, hf_batch_size, encoder_token_cost,
                 )  # fmt: skip
                 runs[system].append(run)
                 gc.collect()
@@ -446,6 +454,7 @@ def bench_throughput(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_encoder_tokens": max_num_encoder_tokens,
+            "encoder_token_cost": encoder_token_cost,
             "hf_batch_size": hf_batch_size,
             "seed": seed,
             "repeats": repeats,

@@ -10,8 +10,20 @@ plan that evicted them, and it drops them before encoding that plan's work.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
+
+from mmserve.request import MultiModalInput
 
 EncoderKey = tuple[str, int]  # (mm_hash, temporal group index)
+
+
+class EncoderGrant(NamedTuple):
+    """One temporal group a step's chunk needs, as the scheduler plans it."""
+
+    mm: MultiModalInput
+    group: int
+    cached: bool  # in the encoder cache already: shared, not encoded
+    charge: int  # tokens of the step's token budget its encoding takes (SchedulerConfig.encoder_token_cost)
 
 
 class EncoderCacheManager:

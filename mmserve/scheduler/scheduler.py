@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError
-from mmserve.request import MultiModalInput, Request, RequestStatus, ServiceClass
-from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderKey
+from mmserve.request import Request, RequestStatus, ServiceClass
+from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderGrant, EncoderKey
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.output import (
     EncoderWork,
@@ -62,6 +63,7 @@ class _Step:
     budget: int  # tokens left
     encoder_budget: int  # embedding tokens the encoder may still compute
     grants: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in batch order
+    charges: dict[str, int] = field(default_factory=dict)  # request id -> budget its encoding took
     encoder_work: list[EncoderWork] = field(default_factory=list)
     # Encoder-cache references to drop once the plan is complete; key None drops all of a request's.
     releases: list[tuple[str, EncoderKey | None]] = field(default_factory=list)
@@ -275,7 +277,7 @@ class Scheduler:
                 continue  # its last sampled token is not applied yet, or the encoder budget is spent
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
-                step.budget += step.grants.pop(victim.request_id, 0)
+                step.budget += step.grants.pop(victim.request_id, 0) + step.charges.pop(victim.request_id, 0)
                 self._preempt(victim)
                 step.releases.append((victim.request_id, None))
                 preempted = True
@@ -323,20 +325,24 @@ class Scheduler:
 
     def _plan_encoder(
         self, request: Request, start: int, num_new_tokens: int, step: _Step
-    ) -> tuple[int, list[tuple[MultiModalInput, int, bool]]]:
+    ) -> tuple[int, list[EncoderGrant]]:
         """Decide the encoder work that tokens [start, start + num_new_tokens) need, without changing
-        anything. Returns the (possibly shortened) grant and [(item, group, is_cached)].
+        anything. Returns the (possibly shortened) grant and the groups it needs.
 
         A temporal group not yet in the encoder cache is encoded this step if the encoder budget
         and the cache have room; otherwise the chunk ends right before that group. Without encoder
         chunking, an item's groups are all encoded in the step its placeholder is first reached.
+        With `encoder_token_cost`, each group encoded also takes ceil(cost x its tokens) of the step's
+        token budget, so the chunk shrinks; never below one token of the group (no chunk starves).
         """
         end = start + num_new_tokens
-        plan: list[tuple[MultiModalInput, int, bool]] = []
+        plan: list[EncoderGrant] = []
         planned: set[tuple[str, int]] = set()
         budget = step.encoder_budget
         room = self.encoder_cache.room()
         limited = self.policy.chunked_prefill  # the no-chunk baselines encode whole prompts at once
+        cost = self.config.encoder_token_cost if limited and self.config.chunk_encoder else 0.0
+        charged = 0  # budget tokens the planned groups' encoding takes
         for mm in request.mm_inputs:
             first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
             if last <= start or first >= end:
@@ -352,6 +358,9 @@ class Scheduler:
                 key = (mm.mm_hash, group)
                 if key in planned or self.encoder_cache.holds(request.request_id, key):
                     continue
+                group_start = max(0, mm.group_range(group)[0] - start)
+                if cost and group_start + 1 > step.budget - charged:  # the charges leave it no token
+                    return min(num_new_tokens, group_start, step.budget - charged), plan
                 cached = self.encoder_cache.is_cached(key)
                 if cached and not self.encoder_cache.is_referenced(key):
                     room -= tokens  # once shared it can no longer be evicted to make room
@@ -364,24 +373,29 @@ class Scheduler:
                     has_room = tokens <= room or room == self.encoder_cache.capacity
                     if limited and not (fits and has_room):
                         # End before this group; 0 if the chunk starts inside it (e.g. a prefix hit).
-                        return min(num_new_tokens, max(0, mm.group_range(group)[0] - start)), plan
+                        return min(num_new_tokens, group_start, step.budget - charged), plan
                     budget -= tokens
                     room -= tokens
-                plan.append((mm, group, cached))
+                # Capped so that the grant still reaches one token into this group.
+                charge = 0 if cached else min(math.ceil(cost * tokens), step.budget - charged - group_start - 1)
+                charged += charge
+                plan.append(EncoderGrant(mm, group, cached, charge))
                 planned.add(key)
-        return num_new_tokens, plan
+        return min(num_new_tokens, step.budget - charged), plan
 
     def _grant(
         self,
         step: _Step,
         request: Request,
         num_new_tokens: int,
-        encoder_plan: list[tuple[MultiModalInput, int, bool]],
+        encoder_plan: list[EncoderGrant],
     ) -> None:
+        charge = sum(g.charge for g in encoder_plan)
         step.grants[request.request_id] = num_new_tokens
-        step.budget -= num_new_tokens
+        step.charges[request.request_id] = charge
+        step.budget -= num_new_tokens + charge
         # Shares first: a new entry may evict unreferenced ones, never one this request is about to use.
-        for mm, group, cached in sorted(encoder_plan, key=lambda e: not e[2]):
+        for mm, group, cached, _ in sorted(encoder_plan, key=lambda e: not e.cached):
             key = (mm.mm_hash, group)
             if cached:
                 self.encoder_cache.share(request.request_id, key)

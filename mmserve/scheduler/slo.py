@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmserve.errors import MMServeError
-from mmserve.request import SLO, MultiModalInput, Request, RequestStatus, ServiceClass
+from mmserve.request import SLO, Request, RequestStatus, ServiceClass
+from mmserve.scheduler.encoder_cache import EncoderGrant
 
 if TYPE_CHECKING:
     from mmserve.scheduler.scheduler import Scheduler, _Step
 
 INTERACTIVE, BATCH = ServiceClass.INTERACTIVE, ServiceClass.BATCH
-EncoderPlan = list[tuple[MultiModalInput, int, bool]]  # (item, temporal group, is_cached)
+EncoderPlan = list[EncoderGrant]
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
@@ -431,7 +432,7 @@ class SloPlanner:
 
     def _preempt(self, step: _Step, victim: Request) -> None:
         sched = self.sched
-        step.budget += step.grants.pop(victim.request_id, 0)
+        step.budget += step.grants.pop(victim.request_id, 0) + step.charges.pop(victim.request_id, 0)
         self._seconds_left += self._costs.pop(victim.request_id, 0.0)
         sched._preempt(victim)
         step.releases.append((victim.request_id, None))
@@ -447,4 +448,4 @@ class SloPlanner:
 
 def _new_encoder_tokens(plan: EncoderPlan) -> int:
     """Embedding tokens the encoder must compute for a plan (cached groups cost nothing)."""
-    return sum(mm.tokens_per_group for mm, _, cached in plan if not cached)
+    return sum(g.mm.tokens_per_group for g in plan if not g.cached)
