@@ -63,6 +63,23 @@ def test_generated_yes_no_questions_are_balanced_and_phrased_as_easy_vqa() -> No
     assert no[1] == "no" and clip.direction not in no[0]
 
 
+def test_yes_no_curriculum_forms() -> None:
+    rng = random.Random(0)
+    color = balanced_yes_no("circle", "red", rng, 400, form="color")
+    assert {q for q, _ in color} == {f"is there a {c} shape?" for c in COLORS}
+    assert all(a == ("yes" if "red" in q else "no") for q, a in color)
+    shape = balanced_yes_no("circle", "red", rng, 400, form="shape")
+    assert {q for q, _ in shape} == {f"is there a {s}?" for s in SHAPES}
+    assert all(a == ("yes" if "circle" in q else "no") for q, a in shape)
+    assert 0.4 < sum(a == "yes" for _, a in color + shape) / 800 < 0.6
+    # "all": colour or shape, in each of the eight phrasings; "color-plain": colour, the four un-negated.
+    assert len({_template(q) for q, _ in balanced_yes_no("circle", "red", rng, 400)}) == 16
+    plain = balanced_yes_no("circle", "red", rng, 400, form="color-plain")
+    assert len({_template(q) for q, _ in plain}) == 4 and all(" not " not in q and "shape" in q for q, _ in plain)
+    with pytest.raises(ValueError, match="unknown forms"):
+        TrainConfig(yes_no_phases=(("negated", 10),))
+
+
 def test_yes_no_questions_split_by_whether_they_name_what_is_shown() -> None:
     assert names_what_is_shown("is there a red shape?", "yes")
     assert names_what_is_shown("is there not a circle in the image?", "no")
@@ -82,9 +99,11 @@ def _template(question: str) -> str:
 def test_train_demo_writes_a_checkpoint_mmserve_serves_and_evaluates(tmp_path: Path) -> None:
     cfg = TrainConfig(vision_steps=2, vision_items_per_step=4, grounding_steps=2, grounding_items_per_step=4,
                       epochs=0.5, items_per_step=4, warmup_steps=1, max_images=8, num_clips=4,
-                      balanced_yes_no_per_image=2)  # fmt: skip
+                      balanced_yes_no_per_image=2, yes_no_phases=(("shape", 1), ("all", 2), ("color-all+own", 2)),
+                      yes_no_images_per_step=2, yes_no_clip_every=2)  # fmt: skip
     summary = train_demo(tmp_path, cfg)
     assert summary["num_items"] == 12 and summary["num_steps"] == 2 + 2
+    assert [(h["form"], h["step"]) for h in summary["yes_no_history"]] == [("shape", 1), ("all", 3), ("color-all+own", 5)]
     by_image: dict[int, list[str]] = {}
     for q in easy_vqa_questions("train"):
         by_image.setdefault(q.media_id, []).append(q.answer)

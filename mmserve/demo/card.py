@@ -60,11 +60,12 @@ def write_model_card(model_dir: str | Path) -> Path:
         f"- Stage 1, {tc['vision_steps']} steps of {tc['vision_items_per_step']} items: the vision tower alone, "
         "with linear heads on the max over each item's output tokens predicting its shape, colour and "
         "direction (cosine learning rate; the heads are discarded). The tower is then frozen.",
-        f"- Stage 2, {train['num_steps']} steps: the decoder (the frozen tower's outputs computed once); the "
+        f"- Stages 2 and 3, {train['num_steps']} steps: the decoder (the frozen tower's outputs computed once); the "
         f"first {tc['grounding_steps']} on the questions whose answer names what is shown (no yes/no), then "
         f"{tc['epochs']:g} passes over all questions, {tc['items_per_step']} media items per step; AdamW "
         f"lr {tc['lr']:g} (warmup {tc['warmup_steps']}, cosine to 5%), weight decay {tc['weight_decay']:g}, "
         "loss on the answer tokens and `<|im_end|>` only.",
+        *_yes_no_stage_lines(tc),
         f"- Took {train['train_seconds'] / 60:.1f} min with {train['torch_threads']} torch threads "
         "(this repository's 2-core CPU machine).",
         "",
@@ -105,3 +106,33 @@ def write_model_card(model_dir: str | Path) -> Path:
     out = model_dir / "README.md"
     out.write_text("\n".join(lines), encoding="utf-8")
     return out
+
+
+def _yes_no_stage_lines(tc: dict) -> list[str]:
+    from mmserve.demo.data import YES_NO_FORMS
+
+    phases = tc.get("yes_no_phases") or []
+    if not phases:
+        return []
+
+    def describe(form: str) -> str:
+        about, num_phrasings = YES_NO_FORMS[form.removesuffix("+own")]
+        text = {"color": "colour", "shape": "shape", "both": "colour or shape"}[about] + {
+            1: ' in one phrasing ("is there a ...?")', 4: " in easy-vqa's four un-negated phrasings",
+            8: " in all eight of easy-vqa's phrasings, negation included",
+        }[num_phrasings]  # fmt: skip
+        if form.endswith("+own"):
+            text += (f", {tc['yes_no_mix_fraction']:.0%} swapped for the image's own easy-vqa questions, its "
+                     f"naming questions kept and every {tc['yes_no_clip_every']}th step clips")  # fmt: skip
+        return text
+
+    return [
+        f"- Stage 4, {sum(n for _, n in phases)} steps of the decoder on generated yes/no questions that name "
+        "what the picture shows half the time, one form at a time: "
+        + "; ".join(f"{n} steps of {describe(form)}" for form, n in phases)
+        + f". {tc['yes_no_images_per_step']} images x {tc['yes_no_questions_per_image']} generated questions "
+        f"per step, AdamW lr {tc['yes_no_lr']:g} (warmup 50, cosine to 5%), weight decay "
+        f"{tc['yes_no_weight_decay']:g}. Trained on easy-vqa's own questions alone, the decoder answered "
+        "yes/no from the wording and almost never right where the question names what is shown; all eight "
+        "phrasings at once never left that plateau, one form at a time does (`docs/demo_model.md` in mmserve).",
+    ]

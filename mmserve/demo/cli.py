@@ -17,7 +17,7 @@ def add_demo_parsers(sub: argparse._SubParsersAction) -> None:
         "train-demo", help="train the demo model (Qwen2-VL, ~2.6 M parameters) on easy-vqa, on the CPU"
     )
     train.add_argument("--out-dir", type=Path, default=DEMO_MODEL_DIR)
-    train.add_argument("--epochs", type=float, default=None, help="passes over all questions after grounding (default: 1.5)")
+    train.add_argument("--epochs", type=float, default=None, help="passes over all questions after grounding (default: 1.25)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 

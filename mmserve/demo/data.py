@@ -96,18 +96,31 @@ _YES_NO_TEMPLATES = (
     ("is a {} present?", False), ("is there not a {}?", True), ("is there not a {} in the image?", True),
     ("does the image not contain a {}?", True), ("is no {} present?", True),
 )  # fmt: skip
+# balanced_yes_no's `form`: what the questions ask about (colour, shape or both) and in which phrasings
+# ("is there a ...?" only, easy-vqa's four un-negated ones, or all eight).
+YES_NO_FORMS = {
+    "color": ("color", 1), "color-plain": ("color", 4), "color-all": ("color", 8),
+    "shape": ("shape", 1), "shape-all": ("shape", 8), "all": ("both", 8),
+}  # fmt: skip
 
 
-def balanced_yes_no(shape: str, color: str, rng: random.Random, n: int) -> list[tuple[str, str]]:
+def balanced_yes_no(
+    shape: str, color: str, rng: random.Random, n: int, form: str = "all"
+) -> list[tuple[str, str]]:
     """`n` yes/no questions, in easy-vqa's phrasings, about an image of one `color` `shape`; each names
     what the image shows with probability 1/2. easy-vqa's own mostly name something absent (86% of its
     un-negated colour questions answer "no"), and a model trained on them alone answers from the
-    question's form (negated: "yes", else "no") without looking at the image."""
+    question's form (negated: "yes", else "no") without looking at the image.
+
+    `form` (YES_NO_FORMS) narrows the questions for train-demo's yes/no stage, e.g. "color" only asks
+    "is there a <colour> shape?", "all" asks about colour or shape in any of the eight phrasings."""
+    about, num_phrasings = YES_NO_FORMS[form]
+    templates = _YES_NO_TEMPLATES[:num_phrasings]  # the un-negated ones come first
     out = []
     for _ in range(n):
-        template, negated = rng.choice(_YES_NO_TEMPLATES)
+        template, negated = rng.choice(templates)
         shown = rng.random() < 0.5
-        if rng.random() < 0.5:
+        if about == "color" or (about == "both" and rng.random() < 0.5):
             thing = f"{color if shown else rng.choice([c for c in COLORS if c != color])} shape"
         else:
             thing = shape if shown else rng.choice([s for s in SHAPES if s != shape])
