@@ -272,3 +272,13 @@ def test_encoder_token_cost_never_starves_a_chunk() -> None:
     assert sum(len(work(p)) for p in plans) == 4
     assert all(p.num_scheduled_tokens <= 8 for p in plans)
     assert sched.encoder_cache.num_referenced_tokens == 0 and sched.kv.num_free_blocks == 256
+
+
+def test_a_group_whose_charge_does_not_fit_waits_for_the_next_step() -> None:
+    sched = _costed_scheduler(10, 1.0)
+    sched.add_request(media_request("v", 20, [("vid", 2, 12, 2)]))  # groups of 6 at 2 and 8
+    plans = [step(sched) for _ in range(4)]
+    # Step 1 encodes group 0 (6 charged) and stops short of group 1; step 2 prefills up to group 1
+    # without encoding; step 3 encodes group 1 (6 charged) and prefills 4 of its tokens.
+    assert [work(p) for p in plans] == [[("vid", 0)], [], [("vid", 1)], []]
+    assert [p.scheduled[0].num_scheduled_tokens for p in plans] == [4, 4, 4, 8]

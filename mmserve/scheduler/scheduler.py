@@ -333,7 +333,9 @@ class Scheduler:
         and the cache have room; otherwise the chunk ends right before that group. Without encoder
         chunking, an item's groups are all encoded in the step its placeholder is first reached.
         With `encoder_token_cost`, each group encoded also takes ceil(cost x its tokens) of the step's
-        token budget, so the chunk shrinks; never below one token of the group (no chunk starves).
+        token budget, so the chunk shrinks. A group whose charge does not fit is left for the next step
+        (the chunk ends before it); a chunk that starts at such a group pays what is left less one token,
+        so it never starves.
         """
         end = start + num_new_tokens
         plan: list[EncoderGrant] = []
@@ -376,8 +378,11 @@ class Scheduler:
                         return min(num_new_tokens, group_start, step.budget - charged), plan
                     budget -= tokens
                     room -= tokens
-                # Capped so that the grant still reaches one token into this group.
-                charge = 0 if cached else min(math.ceil(cost * tokens), step.budget - charged - group_start - 1)
+                charge = 0 if cached else math.ceil(cost * tokens)
+                if charge and group_start + 1 + charge > step.budget - charged:
+                    if group_start:  # prefill up to the group now; encode it next step, with room to charge
+                        return min(num_new_tokens, group_start, step.budget - charged), plan
+                    charge = step.budget - charged - 1  # the chunk starts at the group: never starve it
                 charged += charge
                 plan.append(EncoderGrant(mm, group, cached, charge))
                 planned.add(key)
