@@ -167,15 +167,7 @@ def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig()) -> dict:
     _freeze_vision(model, items)
     grounding = [g for g in (_grounding_view(it, yes_no) for it in items) if g.prompts]
     num_steps = cfg.grounding_steps + math.ceil(cfg.epochs * len(items) / cfg.items_per_step)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim == 1 or "embed" in name else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.98),
-    )  # fmt: skip
+    opt, params = _decoder_optimizer(model, cfg.lr, cfg.weight_decay)
 
     def lr_at(step: int) -> float:  # linear warmup, cosine decay to 5%
         if step < cfg.warmup_steps:
@@ -205,7 +197,7 @@ def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig()) -> dict:
             loss, correct = _step_loss(model, config, batch, pad_id=ids["<|endoftext|>"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(decay + no_decay, 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             running_loss = 0.95 * running_loss + 0.05 * loss.item() if step else loss.item()
             answers = [a for it in batch for a in it.answers]
@@ -220,7 +212,7 @@ def train_demo(out_dir: str | Path, cfg: TrainConfig = TrainConfig()) -> dict:
                 history.append({"step": step, "loss": round(running_loss, 4),
                                 **{f"acc_{k}": round(v, 4) for k, v in running_acc.items()}})  # fmt: skip
 
-    yes_no_history = _train_yes_no(model, config, items, tokens, cfg, pad_id=ids["<|endoftext|>"])
+    yes_no_history = _train_yes_no(model, config, items, tokens, yes_no, cfg, pad_id=ids["<|endoftext|>"])
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
@@ -261,9 +253,8 @@ def _train_vision(model: Qwen2VLForConditionalGeneration, items: list[_Item], cf
         if not batches:
             batches = _epoch_batches(items, cfg.vision_items_per_step, rng)
         batch = batches.pop()
-        for group in opt.param_groups:  # 30 steps of warmup, cosine decay to 5%
-            decay = 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / cfg.vision_steps))
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / 30) * decay
+        for group in opt.param_groups:
+            group["lr"] = _warmup_cosine(cfg.lr, step, cfg.vision_steps, warmup=30)
         pooled = torch.stack([t.max(0).values for t in _encode(visual, batch)])
         loss = torch.zeros(())
         for key, head in heads.items():
@@ -290,23 +281,18 @@ def _train_yes_no(
     config: object,
     items: list[_Item],
     tokens: _Tokens,
+    yes_no: set[int],
     cfg: TrainConfig,
     pad_id: int,
 ) -> list[dict]:
     """Stage 4 (TrainConfig.yes_no_phases): the decoder on balanced yes/no questions, one form at a time.
     Returns the per-phase history: running teacher-forced accuracy on the generated questions."""
-    yes_no = {tokens.answer("yes")[0], tokens.answer("no")[0]}
     images = [it for it in items if it.kind == "image" and {"shape", "color"} <= it.labels.keys()]
     clips = [it for it in items if it.kind == "video"]
     total = sum(n for _, n in cfg.yes_no_phases)
     if not total:
         return []
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim > 1 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not (p.ndim > 1 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.yes_no_weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.yes_no_lr, betas=(0.9, 0.98),
-    )  # fmt: skip
+    opt, params = _decoder_optimizer(model, cfg.yes_no_lr, cfg.yes_no_weight_decay)
     rng = random.Random(cfg.seed + 3)
     clip_batches: list[list[_Item]] = []
     history: list[dict] = []
@@ -315,8 +301,8 @@ def _train_yes_no(
     with tqdm(total=total, desc="train-demo yes/no", unit="step") as bar:
         for form, num_steps in cfg.yes_no_phases:
             running = 0.5
+            own = form.endswith("+own")  # own and naming questions, clip steps: see TrainConfig
             for _ in range(num_steps):
-                own = form.endswith("+own")  # own and naming questions, clip steps: see TrainConfig
                 if own and cfg.yes_no_clip_every and step % cfg.yes_no_clip_every == cfg.yes_no_clip_every - 1:
                     if not clip_batches:
                         clip_batches = _epoch_batches(clips, cfg.yes_no_images_per_step, rng)
@@ -326,12 +312,11 @@ def _train_yes_no(
                     picked = rng.sample(images, min(len(images), cfg.yes_no_images_per_step))
                     batch, generated = _yes_no_batch(picked, form, tokens, yes_no, cfg, rng)
                 for group in opt.param_groups:
-                    warm = min(1.0, (step + 1) / 50)
-                    group["lr"] = cfg.yes_no_lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / total)))
+                    group["lr"] = _warmup_cosine(cfg.yes_no_lr, step, total, warmup=50)
                 loss, correct = _step_loss(model, config, batch, pad_id=pad_id)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(decay + no_decay, 1.0)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 if generated is not None and any(generated):
                     hits = [ok for ok, is_generated in zip(correct, generated, strict=True) if is_generated]
@@ -341,6 +326,28 @@ def _train_yes_no(
                 bar.update(1)
             history.append({"form": form, "step": step, "acc_generated_yes_no": round(running, 4)})
     return history
+
+
+def _decoder_optimizer(
+    model: Qwen2VLForConditionalGeneration, lr: float, weight_decay: float
+) -> tuple[torch.optim.AdamW, list[torch.nn.Parameter]]:
+    """AdamW over the trainable parameters, without weight decay on norms, biases and embeddings; also
+    the parameters, for gradient clipping."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim == 1 or "embed" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.98),
+    )  # fmt: skip
+    return opt, decay + no_decay
+
+
+def _warmup_cosine(peak: float, step: int, total: int, warmup: int) -> float:
+    """The learning rate of stages 1 and 4: linear warmup over `warmup` steps times a cosine from `peak`
+    down to 5% over `total`."""
+    return peak * min(1.0, (step + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / total)))
 
 
 def _yes_no_batch(

@@ -361,9 +361,13 @@ class Scheduler:
                 if key in planned or self.encoder_cache.holds(request.request_id, key):
                     continue
                 group_start = max(0, mm.group_range(group)[0] - start)
-                if cost and group_start + 1 > step.budget - charged:  # the charges leave it no token
-                    return min(num_new_tokens, group_start, step.budget - charged), plan
                 cached = self.encoder_cache.is_cached(key)
+                charge = 0 if cached else math.ceil(cost * tokens)
+                # With a cost, the chunk must still reach one token into the group after the charges.
+                if cost and group_start + 1 + charge > step.budget - charged:
+                    if group_start:  # prefill up to the group now; encode it next step, with room to charge
+                        return min(num_new_tokens, group_start, step.budget - charged), plan
+                    charge = max(0, step.budget - charged - 1)  # the chunk starts at the group: never starve it
                 if cached and not self.encoder_cache.is_referenced(key):
                     room -= tokens  # once shared it can no longer be evicted to make room
                 if not cached:
@@ -378,11 +382,6 @@ class Scheduler:
                         return min(num_new_tokens, group_start, step.budget - charged), plan
                     budget -= tokens
                     room -= tokens
-                charge = 0 if cached else math.ceil(cost * tokens)
-                if charge and group_start + 1 + charge > step.budget - charged:
-                    if group_start:  # prefill up to the group now; encode it next step, with room to charge
-                        return min(num_new_tokens, group_start, step.budget - charged), plan
-                    charge = step.budget - charged - 1  # the chunk starts at the group: never starve it
                 charged += charge
                 plan.append(EncoderGrant(mm, group, cached, charge))
                 planned.add(key)
