@@ -1,13 +1,28 @@
-"""The torch paged-attention reference against dense causal attention, on shuffled physical blocks,
-chunks that start and end mid-block, ragged batches mixing decodes and chunks, and GQA."""
+"""The paged-attention kernels of the CPU (the torch reference and the C decode kernel) against dense
+causal attention, on shuffled physical blocks, chunks that start and end mid-block, ragged batches mixing
+decodes and chunks, and GQA; the C kernel's build, cache and fall-back."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.kernels import reference
+from mmserve.kernels import cpu_attention, reference
+
+C_KERNEL = cpu_attention.load() is not None
+IMPLEMENTATIONS = {
+    "reference": reference.paged_attention,
+    "c-kernel": pytest.param(
+        cpu_attention.paged_attention, marks=pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
+    ),
+}
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -21,11 +36,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v.double()).to(q.dtype)
 
 
+@pytest.mark.parametrize("paged_attention", list(IMPLEMENTATIONS.values()), ids=list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # the C kernel has unrolled copies for 64 and 128
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)])
-def test_paged_attention_matches_dense(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+def test_paged_attention_matches_dense(
+    paged_attention: Callable[..., torch.Tensor],
+    head_dim: int,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
     torch.manual_seed(0)
-    head_dim, num_blocks = 16, 512
+    num_blocks = 512
     # (cached tokens before this step, new tokens this step): decodes, mid-block chunks, a fresh prefill,
     # and long decodes that land in another padded group than the short ones.
     seqs = [(0, 1), (5, 1), (17, 1), (3, 9), (0, 23), (block_size, block_size), (30, 2), (300, 1), (600, 1)]
@@ -60,11 +83,67 @@ def test_paged_attention_matches_dense(block_size: int, num_heads: int, num_kv_h
     reference.store_kv_cache(new_k, new_v, kv_cache, torch.tensor(slots))
     query = torch.cat(queries)
     scale = head_dim**-0.5
-    out = reference.paged_attention(query, kv_cache, table, query_start_loc, seq_lens, scale)
+    out = paged_attention(query, kv_cache, table, query_start_loc, seq_lens, scale)
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         expected = dense_attention(query[start:end], k, v, scale)
         torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
+def test_c_kernel_leaves_what_it_does_not_cover_to_the_reference() -> None:
+    """fp64 queries and batches without decodes go to the reference whole; a mixed batch's prefill
+    rows too, so they equal the reference's bit for bit."""
+    torch.manual_seed(1)
+    kv_cache = torch.randn(2, 16, 4, 2, 64)
+    table = torch.arange(16).view(2, 8)
+    query = torch.randn(12, 8, 64)
+    query_start_loc, seq_lens = [0, 11, 12], [20, 30]
+    expected = reference.paged_attention(query, kv_cache, table, query_start_loc, seq_lens, 0.125)
+    got = cpu_attention.paged_attention(query, kv_cache, table, query_start_loc, seq_lens, 0.125)
+    assert torch.equal(got[:11], expected[:11])  # the prefill chunk: the reference's own rows
+    torch.testing.assert_close(got[11:], expected[11:], atol=1e-5, rtol=1e-5)  # the decode: the kernel
+    for q, kv in ((query.double(), kv_cache.double()), (query[:11], kv_cache)):
+        loc = [0, 11] if q.shape[0] == 11 else query_start_loc
+        lens = seq_lens[: len(loc) - 1]
+        assert torch.equal(
+            cpu_attention.paged_attention(q, kv, table, loc, lens, 0.125),
+            reference.paged_attention(q, kv, table, loc, lens, 0.125),
+        )
+
+
+def _backend_in_a_fresh_process(cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import torch\n"
+        "from mmserve.kernels import cpu_attention, dispatch\n"
+        "print(cpu_attention.load() is not None, dispatch.get_attention_backend(torch.device('cpu')).name)\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if k not in ("CC", "MMSERVE_ATTENTION_BACKEND")}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**environ, "MMSERVE_KERNEL_CACHE": str(cache), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
+def test_c_kernel_is_built_once_and_without_a_compiler_dispatch_keeps_the_reference(tmp_path: Path) -> None:
+    built = _backend_in_a_fresh_process(tmp_path / "a")
+    assert built.stdout.split() == ["True", "cpu"], built.stderr
+    (library,) = (tmp_path / "a").glob("paged_decode_attention-*.so")
+    stamp = library.stat().st_mtime_ns
+    # The cached library loads without compiling again.
+    assert _backend_in_a_fresh_process(tmp_path / "a").stdout.split() == ["True", "cpu"]
+    assert library.stat().st_mtime_ns == stamp
+    # No working compiler and nothing cached: the reference, with one warning that says why.
+    fallback = _backend_in_a_fresh_process(tmp_path / "b", CC="false")
+    assert fallback.stdout.split() == ["False", "torch"], fallback.stderr
+    assert "CPU attention kernel unavailable" in fallback.stderr
+    assert not list((tmp_path / "b").glob("*.so"))  # nothing half-built left behind
+    forced = _backend_in_a_fresh_process(tmp_path / "b", CC="false", MMSERVE_ATTENTION_BACKEND="cpu")
+    assert forced.returncode != 0 and "could not be built" in forced.stderr
 
 
 def test_store_kv_cache_writes_only_the_given_slots() -> None:

@@ -1,5 +1,6 @@
-"""Chooses the attention backend once at start-up: triton on CUDA, torch elsewhere;
-`MMSERVE_ATTENTION_BACKEND=torch|triton` overrides. Triton is imported only when chosen."""
+"""Chooses the attention backend once at start-up: triton on CUDA; on the CPU the C decode kernel
+(`cpu`) where it compiles, else the torch reference (`torch`). `MMSERVE_ATTENTION_BACKEND=torch|cpu|triton`
+overrides. Triton is imported only when chosen."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.kernels import reference
+from mmserve.kernels import cpu_attention, reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,20 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
         raise ValueError(f"MMSERVE_ATTENTION_BACKEND={name!r} is not available; choose from {BACKENDS}")
     if name == "triton":
         return _triton_backend(device)
+    if name == "cpu":
+        if cpu_attention.load() is None:
+            raise ValueError(
+                "MMSERVE_ATTENTION_BACKEND=cpu, but the C kernel could not be built (see the log)"
+            )
+        return AttentionBackend("cpu", reference.store_kv_cache, cpu_attention.paged_attention)
     return AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention)
 
 
 def default_backend(device: torch.device) -> str:
-    on_cuda = torch.device(device).type == "cuda"
-    return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+    device_type = torch.device(device).type
+    if device_type == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    return "cpu" if device_type == "cpu" and cpu_attention.load() is not None else "torch"
 
 
 def _triton_backend(device: torch.device) -> AttentionBackend:

@@ -1,0 +1,147 @@
+"""The CPU attention backend: decode rows through a C kernel (`csrc/paged_decode_attention.c`) that
+reads K/V straight from the cache blocks, everything else through the torch reference. The kernel is
+compiled once per machine with the system C compiler and loaded with ctypes; `load()` returns None
+where that is not possible, and dispatch then keeps the reference."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from mmserve.kernels import reference
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
+# -march=native: the library is built for, and cached per, the CPU it runs on (see _cache_key). -fopenmp
+# links libgomp, which resolves to the copy torch already loaded where they share the soname (pip wheels):
+# the kernel's threads are then torch's own pool, not a second one contending for the same cores.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# (query, kv_cache, block_tables, table stride, seq_lens, rows, out, begin, end, num_blocks, block_size,
+#  num_heads, num_kv_heads, head_dim, scale, num_threads)
+_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64]  # fmt: skip
+
+_lock = threading.Lock()
+_kernel: ctypes._CFuncPtr | None = None
+_load_failed = False
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live: $MMSERVE_KERNEL_CACHE, else ~/.cache/mmserve/kernels."""
+    env = os.environ.get("MMSERVE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "mmserve" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cache_key(compiler: str) -> str:
+    """Source, flags, compiler and the CPU's feature flags: a shared home directory on machines with
+    different CPUs must never load a library built for another one's instruction set."""
+    cpu = platform.machine()
+    try:
+        cpu += next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        cpu += platform.processor()
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(), cpu.encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def load() -> ctypes._CFuncPtr | None:
+    """The compiled kernel, building it on first use; None (with one warning) where no C compiler works."""
+    global _kernel, _load_failed
+    with _lock:
+        if _kernel is not None or _load_failed:
+            return _kernel
+        compiler = _compiler()
+        try:
+            if compiler is None:
+                raise RuntimeError("no C compiler found (set CC, or install gcc)")
+            library = cache_dir() / f"paged_decode_attention-{_cache_key(compiler)}.so"
+            if not library.exists():
+                _compile(compiler, library)
+            kernel = ctypes.CDLL(str(library)).paged_decode_attention
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _load_failed = True
+            log.warning("CPU attention kernel unavailable, using the torch reference: %s", exc)
+            return None
+        kernel.argtypes, kernel.restype = _ARGTYPES, ctypes.c_int
+        _kernel = kernel
+        return kernel
+
+
+def _compile(compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name and renamed into place, so processes compiling at once never load a
+    # half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype == kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and query.shape[1] % kv_cache.shape[3] == 0
+        and query.shape[1] // kv_cache.shape[3] <= 16
+        and query.shape[2] <= 256
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """reference.paged_attention's contract. Decodes run in the C kernel on torch's intra-op thread count;
+    prefill chunks and unsupported inputs (not fp32 on the CPU) take the reference."""
+    kernel = load()
+    decodes = reference.decode_seqs(query_start_loc)
+    if kernel is None or not decodes or not supports(query, kv_cache):
+        return reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    tables = block_tables[decodes].contiguous()  # [num_decodes, max_blocks] int64
+    tables = tables if tables.dtype == torch.int64 else tables.long()
+    lens_t = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64)
+    rows_t = torch.tensor([query_start_loc[i] for i in decodes], dtype=torch.int64)
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    args = (query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens_t.data_ptr(),
+            rows_t.data_ptr(), out.data_ptr())  # fmt: skip
+    shape = (num_blocks, block_size, query.shape[1], num_kv_heads, head_dim, scale)
+    code = kernel(*args, 0, len(decodes), *shape, torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"paged_decode_attention failed with code {code}")
+    reference.prefill_attention(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    return out
