@@ -90,6 +90,17 @@ def test_paged_attention_matches_dense(
         torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scores_per_tile", [1, 8 * 90, 1 << 22])  # one row a tile, 1-2 rows, all rows
+def test_chunk_attention_tiles_match_dense(scores_per_tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk of 37 rows after 53 cached tokens: however its rows are tiled, each tile seeing keys up to
+    its last row only, the result is dense causal attention's."""
+    monkeypatch.setattr(reference, "_SCORES_PER_TILE", scores_per_tile)
+    torch.manual_seed(2)
+    query, key, value = torch.randn(37, 8, 32), torch.randn(90, 2, 32), torch.randn(90, 2, 32)
+    got = reference._chunk_attention(query, key, value, 32**-0.5)
+    torch.testing.assert_close(got, dense_attention(query, key, value, 32**-0.5), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
 def test_c_kernel_leaves_what_it_does_not_cover_to_the_reference() -> None:
     """fp64 queries and batches without decodes go to the reference whole; a mixed batch's prefill

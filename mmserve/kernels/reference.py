@@ -74,12 +74,52 @@ def prefill_attention(
         key, value = _gather_kv(kv_cache, block_tables[i], seq_lens[i])  # [seq_len, num_kv_heads, head_dim]
         num_q, seq_len = end - start, seq_lens[i]
         if num_q == seq_len:  # nothing cached before the chunk: plain causal, SDPA's fast path
-            out[start:end] = _sdpa(query[start:end], key, value, None, scale)
+            out[start:end] = _causal_sdpa(query[start:end], key, value, scale)
             continue
-        # Query j sits at position seq_len - num_q + j and sees keys up to there.
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [num_q, seq_len]
-        out[start:end] = _sdpa(query[start:end], key, value, mask, scale)
+        out[start:end] = _chunk_attention(query[start:end], key, value, scale)
+
+
+_SCORES_PER_TILE = 1 << 22  # fp32 attention scores held at once by _chunk_attention: 16 MiB
+
+
+def _chunk_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A prefill chunk after cached context. query: [num_q, num_heads, head_dim], the last num_q of the
+    seq_len positions in key/value: [seq_len, num_kv_heads, head_dim]; query j sits at position
+    seq_len - num_q + j and sees keys up to there.
+
+    Each KV head's query heads attend as one block in plain batched products (baddbmm with the causal
+    bias, softmax, bmm): on the CPU 1.2-2x faster than SDPA's masked flash kernel for a video's chunks
+    (63 rows over 3k tokens: 5.2 ms a layer against 11 ms). Query rows go in tiles that keep the scores
+    under _SCORES_PER_TILE, each tile seeing only the keys up to its last row."""
+    num_q, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // num_kv_heads
+    key_t = key.permute(1, 2, 0)  # [num_kv_heads, head_dim, seq_len]
+    value = value.transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+    positions = torch.arange(seq_len, device=query.device)
+    out = torch.empty_like(query)
+    tile = max(1, _SCORES_PER_TILE // (num_heads * seq_len))
+    for first in range(0, num_q, tile):
+        rows = min(tile, num_q - first)
+        visible = seq_len - num_q + first + rows  # keys the tile's last row sees
+        q_pos = positions[seq_len - num_q + first : visible]
+        bias = torch.zeros(rows, visible, dtype=query.dtype, device=query.device)
+        bias.masked_fill_(positions[None, :visible] > q_pos[:, None], float("-inf"))  # [rows, visible]
+        # [num_kv_heads, group * rows, head_dim]: row (g, r) is query head kv_head * group + g at row r
+        q = query[first : first + rows].view(rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * rows, head_dim)
+        scores = torch.baddbmm(
+            bias.repeat(group, 1).expand(num_kv_heads, -1, -1), q, key_t[..., :visible], alpha=scale
+        )  # [num_kv_heads, group * rows, visible]
+        tile_out = torch.bmm(torch.softmax(scores, dim=-1), value[:, :visible])
+        out[first : first + rows] = (
+            tile_out.view(num_kv_heads, group, rows, head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(rows, num_heads, head_dim)
+        )
+    return out
 
 
 _BUCKET_SLACK_TOKENS = 256
@@ -140,17 +180,14 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """query: [num_q, num_heads, head_dim]; key/value: [seq_len, num_kv_heads, head_dim]; mask: [num_q,
-    seq_len], or None for plain causal attention (num_q == seq_len)."""
+def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention, num_q == seq_len. query: [seq_len, num_heads, head_dim]; key/value:
+    [seq_len, num_kv_heads, head_dim]. SDPA's causal fast path skips the masked half."""
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1),
         key.transpose(0, 1),
         value.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=mask is None,
+        is_causal=True,
         scale=scale,
         enable_gqa=True,
     )
