@@ -123,6 +123,26 @@ def test_c_kernel_leaves_what_it_does_not_cover_to_the_reference() -> None:
         )
 
 
+@pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
+@pytest.mark.parametrize("num_decodes", [1, 3, 4, 9])  # below 2 per thread: one KV head per work item
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_c_kernel_work_split_matches_the_reference(num_decodes: int, num_threads: int) -> None:
+    torch.manual_seed(num_decodes)
+    kv_cache = torch.randn(2, 64, 16, 2, 48)
+    table = torch.randperm(64)[: num_decodes * 4].view(num_decodes, 4)
+    seq_lens = torch.randint(1, 64, (num_decodes,)).tolist()
+    query = torch.randn(num_decodes, 8, 48)
+    loc = list(range(num_decodes + 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = cpu_attention.paged_attention(query, kv_cache, table, loc, seq_lens, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference.paged_attention(query, kv_cache, table, loc, seq_lens, 0.2)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def _backend_in_a_fresh_process(cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
     code = (
         "import torch\n"

@@ -111,8 +111,7 @@ def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and query.dtype == kv_cache.dtype == torch.float32
         and kv_cache.is_contiguous()
         and query.shape[1] % kv_cache.shape[3] == 0
-        and query.shape[1] // kv_cache.shape[3] <= 16
-        and query.shape[2] <= 256
+        and query.shape[1] <= 64  # MAX_HEADS in the C source
     )
 
 
