@@ -90,7 +90,7 @@ def test_paged_attention_matches_dense(
         torch.testing.assert_close(out[start:end], expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scores_per_tile", [1, 8 * 90, 1 << 22])  # one row a tile, 1-2 rows, all rows
+@pytest.mark.parametrize("scores_per_tile", [1, 8 * 90 * 5, 1 << 22])  # 1 row a tile, 5 (the last 2), all
 def test_chunk_attention_tiles_match_dense(scores_per_tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk of 37 rows after 53 cached tokens: however its rows are tiled, each tile seeing keys up to
     its last row only, the result is dense causal attention's."""
@@ -148,6 +148,8 @@ def _backend_in_a_fresh_process(cache: Path, **env: str) -> subprocess.Completed
         "import torch\n"
         "from mmserve.kernels import cpu_attention, dispatch\n"
         "print(cpu_attention.load() is not None, dispatch.get_attention_backend(torch.device('cpu')).name)\n"
+        # Loading the library must leave the process's float state alone (no flush-to-zero of denormals).
+        "print((torch.tensor([1e-39]) * 1.0).item() != 0.0)\n"
     )
     environ = {k: v for k, v in os.environ.items() if k not in ("CC", "MMSERVE_ATTENTION_BACKEND")}
     return subprocess.run(
@@ -162,15 +164,15 @@ def _backend_in_a_fresh_process(cache: Path, **env: str) -> subprocess.Completed
 @pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
 def test_c_kernel_is_built_once_and_without_a_compiler_dispatch_keeps_the_reference(tmp_path: Path) -> None:
     built = _backend_in_a_fresh_process(tmp_path / "a")
-    assert built.stdout.split() == ["True", "cpu"], built.stderr
+    assert built.stdout.split() == ["True", "cpu", "True"], built.stderr
     (library,) = (tmp_path / "a").glob("paged_decode_attention-*.so")
     stamp = library.stat().st_mtime_ns
     # The cached library loads without compiling again.
-    assert _backend_in_a_fresh_process(tmp_path / "a").stdout.split() == ["True", "cpu"]
+    assert _backend_in_a_fresh_process(tmp_path / "a").stdout.split() == ["True", "cpu", "True"]
     assert library.stat().st_mtime_ns == stamp
     # No working compiler and nothing cached: the reference, with one warning that says why.
     fallback = _backend_in_a_fresh_process(tmp_path / "b", CC="false")
-    assert fallback.stdout.split() == ["False", "torch"], fallback.stderr
+    assert fallback.stdout.split() == ["False", "torch", "True"], fallback.stderr
     assert "CPU attention kernel unavailable" in fallback.stderr
     assert not list((tmp_path / "b").glob("*.so"))  # nothing half-built left behind
     forced = _backend_in_a_fresh_process(tmp_path / "b", CC="false", MMSERVE_ATTENTION_BACKEND="cpu")

@@ -26,7 +26,10 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
 # -march=native: the library is built for, and cached per, the CPU it runs on (see _cache_key). -fopenmp
 # links libgomp, which resolves to the copy torch already loaded where they share the soname (pip wheels):
 # the kernel's threads are then torch's own pool, not a second one contending for the same cores.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked in a second step without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process when the library loads (every later torch op would see it).
+LDFLAGS = ("-shared", "-fopenmp")
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # (query, kv_cache, block_tables, table stride, seq_lens, rows, out, begin, end, num_blocks, block_size,
@@ -53,13 +56,12 @@ def _cache_key(compiler: str) -> str:
     different CPUs must never load a library built for another one's instruction set."""
     cpu = platform.machine()
     try:
-        cpu += next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu += next(line for line in lines if line.startswith(("flags", "Features")))  # x86, ARM
     except (OSError, StopIteration):
         cpu += platform.processor()
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(), cpu.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), compiler.encode(), cpu.encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -93,16 +95,20 @@ def _compile(compiler: str, library: Path) -> None:
     # half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        done = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        for command in (
+            [compiler, *CFLAGS, "-c", "-o", obj, str(SOURCE)],
+            [compiler, *LDFLAGS, "-o", tmp, obj, "-lm"],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, library)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -59,8 +59,7 @@ typedef struct {
             }                                                                                             \
             row_sum[h] = sum;                                                                             \
         }                                                                                                 \
-        float *restrict acc = o; /* accumulate in place: o is this item's own rows */                     \
-        for (int64_t i = 0; i < heads * D; i++) acc[i] = 0.0f;                                            \
+        for (int64_t i = 0; i < heads * D; i++) o[i] = 0.0f; /* accumulated in place: this item's rows */\
         for (int64_t start = 0; start < len; start += bs) {                                               \
             const float *block = sh->v_cache + table[start / bs] * sh->block_stride + kv_first * D;       \
             const int64_t n = len - start < bs ? len - start : bs;                                        \
@@ -69,8 +68,8 @@ typedef struct {
                 for (int64_t h = 0; h < heads; h++) {                                                     \
                     const float p = scores[h * len + start + j];                                          \
                     const float *restrict vh = v + (h / group) * D;                                       \
-                    float *restrict ah = acc + h * D;                                                     \
-                    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];               \
+                    float *restrict oh = o + h * D;                                                       \
+                    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];               \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
