@@ -69,6 +69,8 @@ def _cache_key(compiler: str) -> str:
 def load() -> ctypes._CFuncPtr | None:
     """The compiled kernel, building it on first use; None (with one warning) where no C compiler works."""
     global _kernel, _load_failed
+    if _kernel is not None or _load_failed:  # decided: no lock on the per-layer path
+        return _kernel
     with _lock:
         if _kernel is not None or _load_failed:
             return _kernel
@@ -137,8 +139,7 @@ def paged_attention(
         return reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     query = query.contiguous()
     out = torch.empty_like(query)
-    tables = block_tables[decodes].contiguous()  # [num_decodes, max_blocks] int64
-    tables = tables if tables.dtype == torch.int64 else tables.long()
+    tables = block_tables[decodes].to(torch.int64).contiguous()  # [num_decodes, max_blocks]
     lens_t = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64)
     rows_t = torch.tensor([query_start_loc[i] for i in decodes], dtype=torch.int64)
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
@@ -148,5 +149,6 @@ def paged_attention(
     code = kernel(*args, 0, len(decodes), *shape, torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"paged_decode_attention failed with code {code}")
-    reference.prefill_attention(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    if len(decodes) < len(seq_lens):
+        reference.prefill_attention(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     return out
