@@ -241,7 +241,7 @@ def test_killed_engine_loop_ends_every_stream_health_503_and_exit_1(model_dir: P
         assert sorted(ended) == ["sse0", "sse1", "ws_client0", "ws_client1"]
         assert max(ended.values()) - killed < 2.0  # promptly: no stream hangs
         assert engine.dead.is_set() and not engine.is_running
-        # The server stops within a tick of the death; the same app answers /health in-process.
+        # The server stops shortly after the death; the same app answers /health in-process.
         health = TestClient(app).get("/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
         live.thread.join(timeout=10)

@@ -26,6 +26,9 @@ from mmserve.engine.async_engine import AsyncEngine
 logger = logging.getLogger(__name__)
 
 
+_DEATH_FLUSH_S = 0.5  # after the engine dies, time for handlers to send their streams' error events
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain on SIGTERM/SIGINT and an exit when the engine loop dies."""
 
@@ -34,6 +37,7 @@ class DrainingServer(uvicorn.Server):
         self.engine, self.drain_timeout_s = engine, drain_timeout_s
         self.exit_code = 0
         self._drain_deadline: float | None = None
+        self._death_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_deadline is not None or sig not in (signal.SIGTERM, signal.SIGINT):
@@ -49,6 +53,10 @@ class DrainingServer(uvicorn.Server):
         if self.engine.dead.is_set() and self.exit_code == 0:
             logger.critical("the engine loop died: stopping the server (exit status 1)")
             self.exit_code = 1
+            # Not at once: the streams were failed on the engine thread, and each handler still has to
+            # send its error event; closing now can beat it (a WebSocket then sees only code 1012).
+            self._death_deadline = time.monotonic() + _DEATH_FLUSH_S
+        if self._death_deadline is not None and time.monotonic() >= self._death_deadline:
             self.should_exit = True
         if self._drain_deadline is not None and (
             self.engine.num_in_flight == 0 or time.monotonic() >= self._drain_deadline
