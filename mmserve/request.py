@@ -152,6 +152,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the engine failed it (a fault in its step); the front end raises
 
     @property
     def finished(self) -> bool:
@@ -166,6 +167,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -251,6 +253,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its prompt is in the KV cache and one token is left to compute: the one just sampled.
+        The one definition of a decode (the scheduler, the `slo` planner and the plan use it)."""
+        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def num_output_tokens(self) -> int:

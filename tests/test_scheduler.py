@@ -11,6 +11,7 @@ from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.request import Request, RequestStatus, SamplingParams
 from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduler.plan_state import RequestStates, StepView
 from mmserve.scheduler.scheduler import Scheduler
 
 
@@ -33,6 +34,22 @@ def make_request(rid: str, n: int, max_tokens: int = 4, first: int = 0, **kw: ob
     return Request(
         rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
     )
+
+
+class Mirror:
+    """What a runner holds, kept from the incremental plans alone; checked against the scheduler."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched, self.states = sched, RequestStates()
+
+    def apply(self, plan: SchedulerOutput) -> dict[str, StepView]:
+        views = {v.request_id: v for v in self.states.apply(plan)}
+        for request_id, v in views.items():
+            request = self.sched.requests[request_id]
+            assert v.token_ids == request.all_token_ids[v.start : v.end]
+            assert v.state.block_ids == self.sched.kv.block_ids(request_id)
+            assert tuple(v.state.data.prompt_token_ids) == tuple(request.prompt_token_ids)
+        return views
 
 
 def fake_run(plan: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
@@ -91,7 +108,9 @@ def test_long_prefill_is_chunked_and_samples_only_at_its_end() -> None:
         sched.update(plan, fake_run(plan))
     assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
     s = sched.schedule().scheduled[0]
-    assert (s.num_computed_tokens, s.token_ids, s.sample) == (20, (7,), True)
+    # A decode carries only what the runner has not seen: the token it sampled last step, and the block
+    # its 21st token starts (blocks of 4).
+    assert (s.num_computed_tokens, s.new_token_ids, len(s.new_block_ids), s.sample) == (20, (7,), 1, True)
 
 
 def test_decodes_are_served_before_partial_prefills_and_new_requests() -> None:
@@ -141,13 +160,14 @@ def test_preempted_request_recomputes_its_generated_tokens() -> None:
     sched.add_request(make_request("a", 7, max_tokens=6))
     sched.add_request(make_request("b", 7, max_tokens=6, first=50))
     seen_resume = False
+    mirror = Mirror(sched)
     while sched.has_unfinished_requests():
         plan = sched.schedule()
-        for s in plan.scheduled:
-            req_tokens = s.num_computed_tokens + s.num_scheduled_tokens
-            if s.request_id == "b" and s.num_computed_tokens == 0 and req_tokens > 7:
+        for s in mirror.apply(plan).values():
+            if s.request_id == "b" and s.start == 0 and s.end > 7:
                 seen_resume = True
-                assert s.token_ids[:7] == tuple(range(50, 57)) and set(s.token_ids[7:]) == {7}
+                assert s.token_ids[:7] == list(range(50, 57)) and set(s.token_ids[7:]) == {7}
+                assert "b" in {n.request_id for n in plan.new_requests}  # resent whole after preemption
         sched.update(plan, fake_run(plan))
     assert seen_resume
     assert sched.kv.num_free_blocks == 4
@@ -310,12 +330,15 @@ def test_victim_granted_in_the_same_step_leaves_no_published_hash_for_unwritten_
         CacheConfig(4, 17, True),
     )
     written: dict[tuple[int, int], tuple[str, int]] = {}
+    mirror = Mirror(sched)
+    block_ids: dict[str, list[int]] = {}
 
     def run_step() -> SchedulerOutput:
         plan = sched.schedule()
-        for s in plan.scheduled:  # what a runner would write
-            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
-                written[(s.block_ids[pos // 4], pos % 4)] = (s.request_id, pos)
+        for s in mirror.apply(plan).values():  # what a runner would write
+            block_ids[s.request_id] = list(s.state.block_ids)
+            for pos in range(s.start, s.end):
+                written[(s.state.block_ids[pos // 4], pos % 4)] = (s.request_id, pos)
         sched.update(plan, fake_run(plan))
         return plan
 
@@ -331,7 +354,7 @@ def test_victim_granted_in_the_same_step_leaves_no_published_hash_for_unwritten_
         for s in plan.scheduled:
             if s.request_id == "A":  # every prefix-hit position holds A's own K/V
                 assert all(
-                    written.get((s.block_ids[p // 4], p % 4)) == ("A", p)
+                    written.get((block_ids["A"][p // 4], p % 4)) == ("A", p)
                     for p in range(s.num_computed_tokens)
                 )
     assert sched.num_preemptions > 0
@@ -345,3 +368,35 @@ def test_no_chunk_policy_readmits_a_preempted_request_longer_than_the_budget() -
     sched.add_request(make_request("b", 12, max_tokens=12, first=100))
     plans = run_to_completion(sched)
     assert sched.num_preemptions > 0 and all(p.num_scheduled_tokens <= 14 for p in plans)
+
+
+def test_incremental_plans_describe_the_scheduler_state_through_preemption_aborts_and_prefix_hits() -> None:
+    """A runner that only applies the plans' diffs holds, every step, exactly the scheduler's token ids
+    and block tables; a decode step sends one token id per request and a block id only when one fills."""
+    import random
+
+    rng = random.Random(0)
+    sched = make_scheduler(budget=24, max_seqs=6, num_blocks=12, block_size=4, max_model_len=40)
+    mirror = Mirror(sched)
+    shared = list(range(500, 512))  # a prefix several requests share (prefix-cache hits)
+    for step_index in range(400):
+        if rng.random() < 0.5:
+            n = rng.randint(1, 14)
+            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1000) for _ in range(n)]
+            sched.add_request(Request(f"r{step_index}", prompt, SamplingParams(max_tokens=rng.randint(1, 12))))
+        if sched.requests and rng.random() < 0.05:
+            sched.finish_request(rng.choice(sorted(sched.requests)))
+        plan = sched.schedule()
+        mirror.apply(plan)
+        resent = {n.request_id for n in plan.new_requests}  # admitted, or readmitted after preemption
+        for s in plan.scheduled:
+            if s.is_decode and s.request_id not in resent:
+                assert len(s.new_token_ids) == 1 and len(s.new_block_ids) <= 1
+        sched.update(plan, fake_run(plan, token=rng.randrange(1000)))
+    assert sched.num_preemptions > 0 and sched.kv.prefix_cache_hits > 0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        mirror.apply(plan)
+        sched.update(plan, fake_run(plan))
+    mirror.apply(sched.schedule())  # the last finished ids reach the runner
+    assert len(mirror.states) == 0  # and it keeps nothing for them

@@ -114,7 +114,7 @@ def test_tokens_within_inverts_grant_cost() -> None:
 
 def test_features_of_a_plan() -> None:
     def sr(rid: str, computed: int, n: int) -> ScheduledRequest:
-        return ScheduledRequest(rid, (1,) * n, computed, (), n > 0, None, 0, 10)  # type: ignore[arg-type]
+        return ScheduledRequest(rid, computed, n, sample=n > 0)
 
     plan = SchedulerOutput((sr("a", 0, 100), sr("b", 40, 1)), 101)
     assert StepFeatures.of_plan(plan) == StepFeatures(101, 100 + 41, 2, 0)

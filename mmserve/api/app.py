@@ -123,11 +123,19 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """Readiness: 200 while new requests are taken; 503 once draining or the engine is gone."""
         if not engine.is_running:
             return APIError(503, "the engine is not running", code="engine_unavailable").response()
         if not engine.is_accepting:
             return APIError(503, "the server is shutting down", code="shutting_down").response()
         return JSONResponse({"status": "ok"})
+
+    @app.get("/live")
+    async def live() -> Response:
+        """Liveness: 200 while the process can serve or drain; 503 once the engine is dead (restart it)."""
+        if not engine.is_running:
+            return APIError(503, "the engine is not running", code="engine_unavailable").response()
+        return JSONResponse({"status": "draining" if not engine.is_accepting else "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

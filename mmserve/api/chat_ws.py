@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import sys
+import time
 import uuid
 from contextlib import aclosing
 from typing import Any
@@ -127,9 +128,10 @@ class _Session:
                            param="response.id")  # fmt: skip
             await self.error(err, event.event_id)
             return
-        self.responses[response_id] = asyncio.create_task(self.run(event, response_id))
+        self.responses[response_id] = asyncio.create_task(self.run(event, response_id, time.monotonic()))
 
-    async def run(self, event: ResponseCreateEvent, response_id: str) -> None:
+    async def run(self, event: ResponseCreateEvent, response_id: str, arrival_time: float) -> None:
+        """`arrival_time`: when the event was received (TTFT counts from there)."""
         state = self.state
         self.started.add(response_id)
         out: RequestOutput | None = None
@@ -145,7 +147,7 @@ class _Session:
             params = convert.sampling_params(event.response, state.engine.max_model_len)
             engine_id = f"{self.id}-{response_id}"
             state.metrics.count_media(counts)
-            async with aclosing(state.engine.chat(messages, params, engine_id)) as stream:
+            async with aclosing(state.engine.chat(messages, params, engine_id, arrival_time=arrival_time)) as stream:
                 async for out in stream:
                     if out.new_text:
                         text += out.new_text

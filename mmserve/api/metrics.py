@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mmserve.engine.core import StepRecord
+from mmserve.engine.messages import StepRecord
 from mmserve.engine.output_processor import RequestMetrics, RequestOutput
 from mmserve.request import ServiceClass
 from mmserve.scheduler.scheduler import SchedulerStats
@@ -95,6 +95,9 @@ class MetricsExporter:
                                          "length), by class.", cls, registry=r)  # fmt: skip
         self.queue = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", lbl,
                                registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
+        self.preprocess = Histogram(P + "request_preprocess_time_seconds", "Arrival to the engine core: media "
+                                    "fetch, decode and preprocessing, templating, tokenizing.", lbl,
+                                    registry=r, buckets=_LATENCY_BUCKETS)  # fmt: skip
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prefill tokens of finished requests.", lbl, registry=r
         )
@@ -104,7 +107,7 @@ class MetricsExporter:
         )
         self.encoder_seconds = Counter(
             P + "encoder_seconds",
-            "Wall time of steps that ran the vision encoder (upper bound).",
+            "Time the vision encoder ran (each step's own encoder time, counted once).",
             lbl,
             registry=r,
         )
@@ -137,6 +140,8 @@ class MetricsExporter:
                 self.ttft.labels(self.model).observe(m.first_token_time - m.arrival_time)
             if m.scheduled_time is not None:
                 self.queue.labels(self.model).observe(m.scheduled_time - m.arrival_time)
+            if m.preprocess_time is not None:
+                self.preprocess.labels(self.model).observe(m.preprocess_time)
             if output.finish_reason in ("stop", "length"):  # aborted requests are not judged
                 self._observe_class(output, m, now)
 

@@ -37,6 +37,7 @@ router = APIRouter()
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: State
 ) -> ChatCompletion | StreamingResponse:
+    arrival_time = time.monotonic()  # TTFT counts from here: media fetch and decode are part of it
     engine = state.engine
     # One slot of this key's concurrency limit from here until the response ends (429 if none is left).
     release = state.limiter.acquire(key_id(bearer(request.headers.get("authorization"))))
@@ -47,7 +48,7 @@ async def chat_completions(
         release()
         raise
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = release_at_end(engine.chat(messages, params, request_id), release)
+    stream = release_at_end(engine.chat(messages, params, request_id, arrival_time=arrival_time), release)
     try:
         first = await anext(stream)  # processing errors surface here, before any byte is sent
     except StopAsyncIteration:  # not expected: every stream ends with a finished output

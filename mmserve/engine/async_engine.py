@@ -1,40 +1,55 @@
-"""`AsyncEngine`: the engine loop on a background thread, one async output stream per request.
+"""`AsyncEngine`: the front end of a served engine — one async output stream per request.
 
-Only messages cross into the loop (add, abort, shutdown: all picklable); outputs come back through
-the event loop with `call_soon_threadsafe`. Prompt processing (templating, media decoding) runs in
-a worker thread of the caller, so a slow image never stalls the step loop or the event loop.
+The engine core runs in its own process (the default) or on a thread (`engine_process=False`); either
+way only typed messages cross to it (`core_client.EngineCoreClient`). This side keeps templating,
+tokenizing and media decoding (in a worker thread of the caller, so a slow image never stalls the
+event loop), and detokenizing and stop strings (a stop string becomes an abort message down).
 
-Faults: a request the runner could not build fails alone (`RequestFailedError`); a step that fails
-on the device fails the requests it touched; any other step error fails every request in flight.
-The engine keeps serving in all three cases. If the loop itself dies, every stream gets
-`EngineDeadError` at once, `is_running` turns False and `dead` is set (the server then exits).
+An output thread receives each step's outputs, detokenizes them and hands them to each consumer event
+loop in one `call_soon_threadsafe` (a 64-stream step wakes the server's loop once, not 64 times).
+
+Faults: a request the engine failed ends its stream with `RequestFailedError`; the others go on. If the
+core dies (its process is killed, or its loop escapes), every stream gets `EngineDeadError` at once,
+`is_running` turns False and `dead` is set (the server then exits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
+
+import msgspec
 
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
-from mmserve.engine.core import StepRecord
-from mmserve.engine.faults import RequestFailedError, StepFault
-from mmserve.engine.loader import load_engine
+from mmserve.engine.core_client import EngineCoreClient
+from mmserve.engine.faults import RequestFailedError
+from mmserve.engine.loader import load_frontend, resolve_checkpoint
+from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, PromptType
-from mmserve.errors import EngineDeadError, MMServeError
-from mmserve.request import Request, RequestStatus, SamplingParams
+from mmserve.engine.wire import RequestRejected, StepOutputs, UtilityResult
+from mmserve.errors import EngineDeadError, InvalidRequestError, MMServeError, PromptTooLongError
+from mmserve.request import SamplingParams
 from mmserve.scheduler.scheduler import SchedulerStats
+from mmserve.scheduler.slo import SloInfeasibleError
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often the output thread checks that the core is alive while no message comes
+# Errors the core reports by name when it refuses a request, rebuilt here.
+_REJECTIONS: dict[str, type[MMServeError]] = {
+    cls.__name__: cls
+    for cls in (InvalidRequestError, PromptTooLongError, SloInfeasibleError, RequestFailedError, MMServeError)
+}
+_UTILITY_TYPES: dict[str, Any] = {"stats": SchedulerStats, "info": EngineInfo}
 
 
 class QueueFullError(MMServeError):
@@ -46,27 +61,11 @@ class QueueFullError(MMServeError):
 
 
 class StatLogger(Protocol):
-    """Receives what the engine loop observes (e.g. the Prometheus exporter). Called on the loop thread."""
+    """Receives what the engine emits (e.g. the Prometheus exporter). Called on the output thread."""
 
     def on_output(self, output: RequestOutput, now: float) -> None: ...
 
     def on_step(self, stats: SchedulerStats, step: StepRecord | None) -> None: ...
-
-
-@dataclass(frozen=True)
-class _Add:
-    request: Request
-    prompt: str | None
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Shutdown:
-    pass
 
 
 _STREAM_END = object()  # sentinel after a stream's final output
@@ -81,25 +80,37 @@ class AsyncEngine:
         media_limits: MediaLimits | None = None,
         max_waiting_requests: int = 1024,
         stat_loggers: Sequence[StatLogger] = (),
+        engine_process: bool = True,
     ) -> None:
-        loaded = load_engine(args, media_limits)
+        args = resolve_checkpoint(args)  # a bad model path fails here, before any process starts
         self.args = args
-        self.tokenizer, self.processor, self._core = loaded.tokenizer, loaded.processor, loaded.core
-        self.max_model_len = loaded.core.max_model_len
+        self._client = EngineCoreClient(args, engine_process=engine_process)
+        self.info: EngineInfo = self._client.info
+        try:
+            self.tokenizer, self.processor = load_frontend(args, self.info.max_model_len, media_limits)
+        except BaseException:
+            self._client.close()
+            raise
+        self.max_model_len = self.info.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = list(stat_loggers)
-        self._inbox: queue.Queue[_Add | _Abort | _Shutdown] = queue.Queue()
+        self._outputs = OutputProcessor(self.tokenizer, self.info.scheduler_config.class_slo)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
-        self._lock = threading.Lock()  # guards _streams and _num_pending
-        self._num_pending = 0  # accepted but not yet seen by the loop
+        # Guards _streams, _outputs and _num_pending (the output thread and the callers' threads).
+        self._lock = threading.Lock()
+        self._num_pending = 0  # sent to the core, not yet counted by its stats
         self._ids = itertools.count()
-        self._stats = loaded.core.stats()
-        # Emitted but not yet handed over, per consumer event loop, in order (touched by the loop thread only).
+        self._call_ids = itertools.count()
+        self._calls: dict[int, tuple[str, concurrent.futures.Future]] = {}
+        self._stats = self._client_stats_at_start()
+        # Emitted but not yet handed over, per consumer event loop, in order (output thread only).
         self._outbox: dict[asyncio.AbstractEventLoop, _Batch] = {}
         self._dead: BaseException | None = None
-        self.dead = threading.Event()  # set once the loop has died (not on a clean shutdown)
+        self._closing = False
+        self._stopped = False
+        self.dead = threading.Event()  # set once the core has died (not on a clean shutdown)
         self.num_failed_requests = 0  # failed by an engine fault (not by their own invalid input)
-        self._thread = threading.Thread(target=self._run_loop, name="mmserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_output_loop, name="mmserve-outputs", daemon=True)
         self._thread.start()
 
     # -- public API ----------------------------------------------------------------------------------
@@ -107,13 +118,18 @@ class AsyncEngine:
     def model_name(self) -> str:
         return self.args.model
 
+    @property
+    def engine_process_pid(self) -> int | None:
+        """The engine core's process id (None when it runs on a thread of this process)."""
+        return self._client.core_pid
+
     def stats(self) -> SchedulerStats:
-        """The scheduler's counters as of the last step (read without stopping the loop)."""
+        """The scheduler's counters as of the core's last message (read without a round trip)."""
         return self._stats
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and not self._stopped and self._thread.is_alive()
 
     @property
     def is_accepting(self) -> bool:
@@ -131,24 +147,34 @@ class AsyncEngine:
         self._closing = True
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs: each carries the new text/tokens and the totals so far;
-        the last has `finish_reason` set. Closing the iterator early aborts the request."""
+        the last has `finish_reason` set. Closing the iterator early aborts the request.
+        `arrival_time` (time.monotonic()): when the server received it; TTFT counts from there."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         request_id = request_id or f"req-{next(self._ids)}"
         self._check_accepting()
         loop = asyncio.get_running_loop()
-        request, text = await loop.run_in_executor(None, self.processor.process, prompt, params, request_id)
+        request, text = await loop.run_in_executor(
+            None, self.processor.process, prompt, params, request_id, arrival_time
+        )
         stream: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise MMServeError(f"request id {request_id!r} is already in use")
             self._check_accepting()
             self._streams[request_id] = (loop, stream)
+            self._outputs.add_request(request, text, time.monotonic())
             self._num_pending += 1
-        self._inbox.put(_Add(request, text))
         finished = False
         try:
+            self._client.add_request(request)
             while True:
                 item = await stream.get()
                 if item is _STREAM_END:
@@ -160,32 +186,83 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:  # the consumer went away (disconnect, cancel): free the request
-                self._inbox.put(_Abort(request_id))
+                self.abort(request_id)
 
     async def chat(
-        self, messages: Sequence[Message], params: SamplingParams, request_id: str | None = None
+        self,
+        messages: Sequence[Message],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         prompt = self.processor.chat_prompt(messages)
-        async for output in self.generate(prompt, params, request_id):
+        async for output in self.generate(prompt, params, request_id, arrival_time=arrival_time):
             yield output
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        with self._lock:
+            final = self._outputs.abort_request(request_id)
+            entry = self._streams.pop(request_id, None)
+        if entry is None and final is None:
+            return
+        with contextlib.suppress(Exception):  # the core may be gone already: nothing to free there
+            self._client.abort_requests([request_id])
+        if final is not None:
+            now = time.monotonic()
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_output(final, now)
+
+    def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        """Call an engine-core utility (`EngineCore.UTILITIES`) and wait for its result, from any thread
+        but the output thread."""
+        return self.utility_future(method, *args).result(timeout)
+
+    async def acall_utility(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self.utility_future(method, *args))
+
+    def utility_future(self, method: str, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.is_running:
+            future.set_exception(EngineDeadError("the engine is not running"))
+            return future
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._calls[call_id] = (method, future)
+        self._client.call_utility(call_id, method, args)
+        return future
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to `timeout` s, abort the rest."""
         self._closing = True
         deadline = time.monotonic() + timeout
-        while self._streams and time.monotonic() < deadline and self._thread.is_alive():
+        while self._streams and time.monotonic() < deadline and self.is_running:
             await asyncio.sleep(0.02)
-        self._inbox.put(_Shutdown())
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self) -> None:
+        """Fail what is still open, stop the core and the output thread (idempotent)."""
+        self._closing = True
+        if self._stopped:
+            return
+        self._stopped = True
+        self._thread.join(5)
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._outputs.abort_request(request_id)
+            self._emit(request_id, EngineDeadError("the engine shut down"), last=True)
+        self._flush()
+        self._client.close()
 
     # -- internals -----------------------------------------------------------------------------------
-    _closing = False
+    def _client_stats_at_start(self) -> SchedulerStats:
+        total = self.info.num_kv_blocks
+        return SchedulerStats(total, total, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def _check_accepting(self) -> None:
-        if self._dead is not None or self._closing:
+        if self._dead is not None or self._closing or self._stopped:
             raise EngineDeadError("the engine is not accepting requests")
         waiting = self._stats.num_waiting + self._num_pending
         if waiting >= self.max_waiting_requests:
@@ -194,7 +271,7 @@ class AsyncEngine:
             )
 
     def _emit(self, request_id: str, item: Any, last: bool) -> None:
-        """Queue `item` for the request's stream; `_flush` hands it over (once per loop iteration)."""
+        """Queue `item` for the request's stream; `_flush` hands it over (once per message)."""
         with self._lock:
             entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if entry is None:
@@ -206,146 +283,89 @@ class AsyncEngine:
             batch.append((stream, _STREAM_END))
 
     def _flush(self) -> None:
-        """One `call_soon_threadsafe` per event loop for everything emitted since the last flush: a
-        step's 64 outputs wake the server's loop once, not 64 times (each wake is a self-pipe write and
-        a loop iteration, on the cores the next step's forward runs on)."""
+        """One `call_soon_threadsafe` per event loop for everything emitted since the last flush."""
         outbox, self._outbox = self._outbox, {}
         for loop, batch in outbox.items():
             with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
                 loop.call_soon_threadsafe(_deliver, batch)
 
-    def _run_loop(self) -> None:
-        core = self._core
-        outputs = OutputProcessor(self.tokenizer, core.scheduler_config.class_slo)
+    def _run_output_loop(self) -> None:
+        client = self._client
         try:
-            while True:
+            while not self._stopped:
+                message = client.recv(_POLL_S)
+                if message is None:
+                    if not client.core_alive() and not self._stopped:
+                        raise EngineDeadError("the engine core process died")
+                    continue
+                if isinstance(message, StepOutputs):
+                    self._on_step(message.outputs)
+                elif isinstance(message, RequestRejected):
+                    self._on_rejected(message)
+                elif isinstance(message, UtilityResult):
+                    self._on_utility(message)
                 self._flush()
-                # Block for messages only when idle; otherwise take what has arrived and step.
-                block = not core.has_unfinished_requests()
-                while True:
-                    try:
-                        message = self._inbox.get(block=block, timeout=0.1 if block else None)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if isinstance(message, _Shutdown):
-                        self._abort_all(core, outputs, EngineDeadError("the engine shut down"))
-                        self._flush()
-                        return
-                    self._handle(message, core, outputs)
-                self._flush()  # refusals and aborts' final outputs go out now, not after the next step
-                if not core.has_unfinished_requests():
-                    continue
-                try:
-                    core_outputs = core.step()
-                except StepFault as fault:  # failed on the device: the requests it touched fail
-                    logger.error("engine step failed; failing the requests of that step", exc_info=fault)
-                    self._fail_step(core, outputs, fault)
-                    continue
-                except Exception as exc:  # state unknown: every request in flight fails, not the engine
-                    logger.exception("engine step failed; failing the requests in flight")
-                    self._abort_all(
-                        core, outputs, RequestFailedError("the request failed inside the engine"), exc
-                    )
-                    continue
-                failed, core.runner.last_failed = core.runner.last_failed, []
-                for f in failed:  # left out of the step by the runner: they fail alone
-                    request = core.scheduler.requests.get(f.request_id)
-                    if request is not None and request.status == RequestStatus.RUNNING:
-                        # What its KV really holds, so that freeing it unpublishes the blocks never written.
-                        request.num_computed_tokens = f.num_computed_tokens
-                    self._fail(core, outputs, f.request_id)
-                now = time.monotonic()
-                updated, stopped = outputs.process(core_outputs)
-                for request_id in stopped:
-                    core.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
-                for out in updated:
-                    for stat_logger in self.stat_loggers:
-                        stat_logger.on_output(out, now)
-                    self._emit(out.request_id, _snapshot(out), out.finished)
-                self._stats = core.stats()
-                record = core.step_history[-1] if core.step_history else None
-                for stat_logger in self.stat_loggers:
-                    stat_logger.on_step(self._stats, record)
-        except BaseException as exc:  # the loop itself broke: fail everyone, refuse new work
-            logger.critical("engine loop died", exc_info=exc)
+        except BaseException as exc:  # the core died, or this loop broke: fail everyone, refuse new work
+            if self._stopped:
+                return
+            logger.critical("the engine core is gone: failing every request in flight", exc_info=exc)
             self._dead = exc
-            # Streams first: cleaning up a broken core may raise again, and nobody may hang.
             with self._lock:
                 request_ids = list(self._streams)
+                calls, self._calls = self._calls, {}
             for request_id in request_ids:
-                self._emit(request_id, EngineDeadError("the engine loop died"), last=True)
+                self._emit(request_id, EngineDeadError("the engine died"), last=True)
             self._flush()
+            for _, future in calls.values():
+                future.set_exception(EngineDeadError("the engine died"))
             self.dead.set()
 
-    def _fail(self, core: Any, outputs: OutputProcessor, request_id: str) -> None:
-        """One request failed inside the engine: free everything it holds and end its stream with an error."""
-        core.abort_request(request_id)
-        self._close_output(outputs, request_id)
-        self.num_failed_requests += 1
-        self._emit(request_id, RequestFailedError("the request failed inside the engine"), last=True)
-        self._stats = core.stats()
-
-    def _close_output(self, outputs: OutputProcessor, request_id: str) -> None:
-        """Drop a failed request's output state; stat loggers see it end (as aborted), so none of
-        their per-request state outlives it."""
-        final = outputs.abort_request(request_id)
-        if final is not None:
-            now = time.monotonic()
-            for stat_logger in self.stat_loggers:
-                stat_logger.on_output(final, now)
-
-    def _fail_step(self, core: Any, outputs: OutputProcessor, fault: StepFault) -> None:
-        """The core has reset the encoder and prefix caches. Fail the step's requests (their KV for the
-        step is indeterminate) and every request part-way into its media (its encoder entries are gone);
-        the others keep their KV, which the step never wrote, and go on."""
-        victims = set(fault.request_ids)
-        for request_id, request in core.scheduler.requests.items():
-            media_end = max(
-                (m.placeholder.offset + m.placeholder.length for m in request.mm_inputs), default=0
-            )
-            if 0 < request.num_computed_tokens < media_end:
-                victims.add(request_id)
-        for request_id in victims:
-            self._fail(core, outputs, request_id)
-
-    def _handle(self, message: _Add | _Abort, core: Any, outputs: OutputProcessor) -> None:
-        if isinstance(message, _Add):
-            with self._lock:
-                self._num_pending -= 1
-                wanted = message.request.request_id in self._streams
-            if not wanted:
-                return  # aborted before the loop saw it
-            try:
-                core.add_request(message.request)
-            except MMServeError as exc:
-                self._emit(message.request.request_id, exc, last=True)
-                return
-            outputs.add_request(message.request, message.prompt)
-        else:
-            core.abort_request(message.request_id)
-            final = outputs.abort_request(message.request_id)
+    def _on_step(self, step: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        failed = [o for o in step.outputs if o.error is not None]
+        with self._lock:
+            self._stats = step.stats
+            self._num_pending = 0  # the core has seen every request sent before this step
+            finals = [self._outputs.abort_request(o.request_id) for o in failed]
+            updated, stopped = self._outputs.process([o for o in step.outputs if o.error is None])
+        if stopped:
+            self._client.abort_requests(stopped, stopped=True)
+        for out, final in zip(failed, finals, strict=True):
+            self.num_failed_requests += 1
+            logger.error("request %s failed in the engine: %s", out.request_id, out.error)
             if final is not None:
-                now = time.monotonic()
                 for stat_logger in self.stat_loggers:
                     stat_logger.on_output(final, now)
-                self._emit(message.request_id, _snapshot(final), last=True)
-            self._stats = core.stats()
+            self._emit(out.request_id, RequestFailedError("the request failed inside the engine"), last=True)
+        for out in updated:
+            for stat_logger in self.stat_loggers:
+                stat_logger.on_output(out, now)
+            self._emit(out.request_id, _snapshot(out), out.finished)
+        for stat_logger in self.stat_loggers:
+            stat_logger.on_step(step.stats, step.step)
 
-    def _abort_all(
-        self, core: Any, outputs: OutputProcessor, error: BaseException, cause: BaseException | None = None
-    ) -> None:
-        if cause is not None:
-            error.__cause__ = cause
+    def _on_rejected(self, message: RequestRejected) -> None:
         with self._lock:
-            request_ids = list(self._streams)
-        if isinstance(error, RequestFailedError):
-            self.num_failed_requests += len(request_ids)
-        for request_id in request_ids:
-            core.abort_request(request_id)
-            self._close_output(outputs, request_id)
-            self._emit(request_id, error, last=True)
-        self._stats = core.stats()
+            self._outputs.abort_request(message.request_id)
+        cls = _REJECTIONS.get(message.error_type, MMServeError)
+        if issubclass(cls, InvalidRequestError):
+            error: BaseException = cls(message.message, param=message.param)
+        else:
+            error = cls(message.message)
+        self._emit(message.request_id, error, last=True)
+
+    def _on_utility(self, message: UtilityResult) -> None:
+        with self._lock:
+            method, future = self._calls.pop(message.call_id, ("", None))
+        if future is None:
+            return
+        if message.error is not None:
+            future.set_exception(MMServeError(message.error))
+            return
+        result = message.result
+        if method in _UTILITY_TYPES and result is not None:
+            result = msgspec.convert(result, _UTILITY_TYPES[method])
+        future.set_result(result)
 
 
 def _deliver(batch: _Batch) -> None:
@@ -355,7 +375,7 @@ def _deliver(batch: _Batch) -> None:
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the consumer may keep while the loop goes on updating the original."""
+    """A copy the consumer may keep while the output thread goes on updating the original."""
     return RequestOutput(
         request_id=out.request_id,
         prompt=out.prompt,

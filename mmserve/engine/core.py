@@ -1,48 +1,50 @@
 """The engine core: one `step()` = schedule -> execute -> update, over token ids only (no text).
 
-Also resolves `EngineArgs` against the checkpoint: device, dtype, KV pool size, context limit.
+It owns the scheduler and the executor and speaks only values: requests and aborts in, one
+`EngineCoreOutputs` per step out (failed requests included), `info()` and utility calls for the rest.
+No caller reaches into the scheduler or the runner. Also resolves `EngineArgs` against the
+checkpoint: device, dtype, KV pool size, context limit.
+
+Faults: a request whose inputs fail to build fails alone; a step that fails on the device fails the
+requests it touched (and those part-way into their media); any other step error fails every request
+in flight. The core goes on in all three cases. `EngineLoopKilled` (tests) escapes on purpose.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from mmserve.engine.executor import Executor, InProcessExecutor
+from mmserve.engine.faults import StepFault
+from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.models.config import DecoderConfig
 from mmserve.request import Request, RequestStatus
-from mmserve.scheduler.output import EngineCoreOutput
 from mmserve.scheduler.scheduler import Scheduler, SchedulerStats
 from mmserve.scheduler.step_time import StepFeatures
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_CACHE_MEMORY = 2 << 30  # default KV pool on CPU when neither blocks nor memory are given
 _GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after the weights load
-_STEP_HISTORY = 100_000  # steps whose composition and time are kept for benchmarks and plots
+_FAILED = "the request failed inside the engine"
 
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One executed step: its wall time and what it computed."""
-
-    duration_s: float
-    encoder_duration_s: float  # of duration_s, spent in the vision encoder
-    num_decode_tokens: int
-    num_prefill_tokens: int
-    num_encoder_tokens: int
-    # The rest of the step-time model's features (scheduler/step_time.py), for `mmserve bench profile`.
-    num_seqs: int = 0
-    num_context_tokens: int = 0  # sum over scheduled requests of (cached + new) tokens attended to
+__all__ = ["EngineCore", "EngineCoreOutputs", "StepRecord"]
 
 
 class EngineCore:
+    # Methods a front end may call by name (`call_utility`), in or out of process.
+    UTILITIES = frozenset({"stats", "reset_prefix_cache", "inject_faults", "info"})
+
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.step_history: deque[StepRecord] = deque(maxlen=_STEP_HISTORY)
         self.model_config, self.hf_config = DecoderConfig.from_pretrained(args.model)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _DTYPES[args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
@@ -54,7 +56,7 @@ class EngineCore:
         )
         self.scheduler_config: SchedulerConfig = args.scheduler_config(max_model_len)
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             args.model,
             self.model_config,
             self.device,
@@ -63,53 +65,96 @@ class EngineCore:
             args.block_size,
             self.hf_config,
         )
-        # time.monotonic: the clock of Request.arrival_time (stamped by the processor) and of the
+        self.executor: Executor = InProcessExecutor(runner)
+        # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
         # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
+        self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    def info(self) -> EngineInfo:
+        block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.args.block_size, self.dtype)
+        return EngineInfo(
+            model=str(self.args.model),
+            max_model_len=self.max_model_len,
+            scheduler_config=self.scheduler_config,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            attention_backend=self.executor.attention_backend(),
+            block_size=self.args.block_size,
+            num_kv_blocks=self.cache_config.num_blocks,
+            kv_cache_bytes=block_bytes * self.cache_config.num_blocks,
+        )
+
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        """Raises MMServeError (InvalidRequestError, SloInfeasibleError...) if the scheduler refuses it."""
+        self._scheduler.add_request(request)
 
     def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
-        return self.scheduler.finish_request(request_id, status)
+        return self._scheduler.finish_request(request_id, status)
+
+    def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        for request_id in request_ids:
+            self._scheduler.finish_request(request_id, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.encoder_work and not plan.freed_encoder_keys:
-            return []
+        scheduler = self._scheduler
         try:
-            runner_output = self.runner.execute(plan)
-        except BaseException:
-            self.scheduler.forget_cached_state()
-            self.runner.encoder_cache.clear()
-            raise
-        outputs = self.scheduler.update(plan, runner_output)
-        duration_s = time.perf_counter() - start
-        features = StepFeatures.of_plan(plan)  # one pass over the plan for the model and the record
-        self.scheduler.record_step_time(features, duration_s)  # the step-time model's online correction
-        self.step_history.append(
-            StepRecord(
+            plan = scheduler.schedule()
+            if not plan.has_work:
+                return EngineCoreOutputs((), scheduler.stats())
+            try:
+                runner_output = self.executor.execute_model(plan)
+            except StepFault as fault:  # failed on the device: the requests it touched fail
+                logger.error("engine step failed; failing the requests of that step", exc_info=fault)
+                self.executor.reset_encoder_cache()
+                return EngineCoreOutputs(tuple(scheduler.fail_step(fault.request_ids, _FAILED)), scheduler.stats())
+            outputs = scheduler.update(plan, runner_output)
+        except Exception:  # state unknown: every request in flight fails, not the engine
+            logger.exception("engine step failed; failing the requests in flight")
+            scheduler.forget_cached_state()
+            self.executor.reset_encoder_cache()
+            failed = scheduler.fail_requests(scheduler.request_ids(), _FAILED)
+            return EngineCoreOutputs(tuple(failed), scheduler.stats())
+        record = None
+        if not plan.is_empty or plan.encoder_work:
+            duration_s = time.perf_counter() - start
+            features = StepFeatures.of_plan(plan)  # one pass over the plan for the model and the record
+            scheduler.record_step_time(features, duration_s)  # the step-time model's online correction
+            record = StepRecord(
                 duration_s,
-                self.runner.last_encoder_duration_s,
+                runner_output.encoder_s,
                 plan.num_decode_tokens,
                 plan.num_prefill_tokens,
                 plan.num_encoder_tokens,
                 features.num_seqs,
                 features.context_tokens,
+                runner_output.forward_s,
+                runner_output.sampling_s,
             )
-        )
-        return outputs
+        return EngineCoreOutputs(tuple(outputs), scheduler.stats(), record)
+
+    def call_utility(self, method: str, args: tuple[Any, ...] = ()) -> Any:
+        if method not in self.UTILITIES:
+            raise ValueError(f"unknown engine utility {method!r}")
+        return getattr(self, method)(*args)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (only the blocks no request holds are dropped from the cache)."""
+        self._scheduler.reset_prefix_cache()
+        return True
+
+    def inject_faults(self, action: str, request_ids: Iterable[str] = ()) -> None:
+        self.executor.inject_faults(action, tuple(request_ids))
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self._scheduler.stats()
 
     def _num_kv_blocks(self) -> int:
         args = self.args

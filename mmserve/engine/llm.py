@@ -4,6 +4,7 @@ input order, running the engine core's step loop in the calling thread."""
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,16 @@ from tqdm import tqdm
 
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
+from mmserve.engine.faults import RequestFailedError
 from mmserve.engine.loader import load_engine
+from mmserve.engine.messages import StepRecord
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, PromptType
 from mmserve.errors import EngineDeadError, InvalidRequestError
 from mmserve.request import Request, RequestStatus, SamplingParams
 from mmserve.scheduler.scheduler import SchedulerStats
+
+_STEP_RECORDS = 100_000  # steps kept for benchmarks and plots
 
 
 class LLM:
@@ -63,6 +68,8 @@ class LLM:
         loaded = load_engine(args, media_limits)
         self.tokenizer, self.engine, self.processor = loaded.tokenizer, loaded.core, loaded.processor
         self._request_counter = itertools.count()
+        # Every executed step's record, in order, as the core emits them (benchmarks read and clear it).
+        self.step_records: deque[StepRecord] = deque(maxlen=_STEP_RECORDS)
 
     def generate(
         self,
@@ -112,21 +119,24 @@ class LLM:
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
                 idle_steps = 0
                 while self.engine.has_unfinished_requests():
-                    core_outputs = self.engine.step()
+                    step = self.engine.step()
+                    if step.step is not None:
+                        self.step_records.append(step.step)
                     # Two steps in a row with nothing running means nothing ever will: fail, don't hang.
-                    idle_steps = 0 if core_outputs or self.engine.scheduler.running else idle_steps + 1
+                    idle_steps = 0 if step.outputs or step.stats.num_running else idle_steps + 1
                     if idle_steps > 1:
                         raise EngineDeadError("the scheduler admits nothing while no request runs")
-                    updated, stopped = outputs.process(core_outputs)
-                    for request_id in stopped:
-                        self.engine.abort_request(request_id, RequestStatus.FINISHED_STOPPED)
+                    failed = next((o for o in step.outputs if o.error is not None), None)
+                    if failed is not None:
+                        raise RequestFailedError(f"request {failed.request_id}: {failed.error}")
+                    updated, stopped = outputs.process(list(step.outputs))
+                    self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
                     for out in updated:
                         if out.finished:
                             results[order[out.request_id]] = out
                             bar.update(1)
         except BaseException:
-            for request_id in added:
-                self.engine.abort_request(request_id)
+            self.engine.abort_requests(added)
             raise
         return results  # type: ignore[return-value]
 

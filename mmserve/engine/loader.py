@@ -1,5 +1,6 @@
-"""Builds what both front ends (`LLM`, `AsyncEngine`) stand on: the tokenizer, the engine core and
-the processor, from `EngineArgs` and a local checkpoint directory (never a download)."""
+"""Builds what the front ends stand on from `EngineArgs` and a local checkpoint directory (never a
+download): the checked checkpoint path, the tokenizer and the processor; and, for `LLM`, an engine
+core in the same process."""
 
 from __future__ import annotations
 
@@ -12,20 +13,21 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from mmserve.config import EngineArgs
 from mmserve.demo import resolve_model
 from mmserve.encoders.media import DEFAULT_LIMITS, MediaLimits
-from mmserve.engine.core import EngineCore
 from mmserve.engine.mm_processor import MultiModalProcessor
 from mmserve.engine.processor import Processor
 from mmserve.errors import InvalidRequestError
+from mmserve.models.config import DecoderConfig
 
 
 @dataclass(frozen=True, eq=False)
 class LoadedEngine:
     tokenizer: PreTrainedTokenizerBase
-    core: EngineCore
+    core: object  # EngineCore
     processor: Processor
 
 
-def load_engine(args: EngineArgs, media_limits: MediaLimits | None = None) -> LoadedEngine:
+def resolve_checkpoint(args: EngineArgs) -> EngineArgs:
+    """`args` with `model` resolved to a checkpoint directory; one clear error if it is not one."""
     args = dataclasses.replace(args, model=str(resolve_model(args.model)))
     if not (Path(args.model) / "config.json").is_file():
         raise InvalidRequestError(
@@ -33,16 +35,29 @@ def load_engine(args: EngineArgs, media_limits: MediaLimits | None = None) -> Lo
             "directories only and never downloads (make one with `mmserve make-tiny-model DIR`)",
             param="model",
         )
+    return args
+
+
+def load_frontend(
+    args: EngineArgs, max_model_len: int, media_limits: MediaLimits | None = None
+) -> tuple[PreTrainedTokenizerBase, Processor]:
+    """The tokenizer and the processor (templating, tokenizing, media) for a resolved checkpoint."""
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    core = EngineCore(args)
+    model_config, hf_config = DecoderConfig.from_pretrained(args.model)
     mm_processor = None
-    if getattr(core.hf_config, "vision_config", None) is not None:
-        mm_processor = MultiModalProcessor(args.model, core.hf_config, media_limits or DEFAULT_LIMITS)
+    if getattr(hf_config, "vision_config", None) is not None:
+        mm_processor = MultiModalProcessor(args.model, hf_config, media_limits or DEFAULT_LIMITS)
     processor = Processor(
-        tokenizer,
-        core.model_config.vocab_size,
-        core.max_model_len,
-        core.model_config.eos_token_ids,
-        mm_processor,
+        tokenizer, model_config.vocab_size, max_model_len, model_config.eos_token_ids, mm_processor
     )
+    return tokenizer, processor
+
+
+def load_engine(args: EngineArgs, media_limits: MediaLimits | None = None) -> LoadedEngine:
+    """An in-process engine core with its tokenizer and processor (`LLM`)."""
+    from mmserve.engine.core import EngineCore
+
+    args = resolve_checkpoint(args)
+    core = EngineCore(args)
+    tokenizer, processor = load_frontend(args, core.max_model_len, media_limits)
     return LoadedEngine(tokenizer, core, processor)

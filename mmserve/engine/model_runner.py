@@ -1,13 +1,15 @@
 """Runs one plan on the device: builds the `ForwardBatch`, owns the KV cache tensors, runs the decoder
 over all scheduled tokens (prefill chunks and decodes together), samples, and syncs with the host once.
 
+Plans are incremental: the runner keeps each running request's token ids, block table and inputs
+(`RequestStates`) and applies each plan's diffs.
+
 Fault attribution: each request's inputs are built on the host before any device work; a request whose
-inputs fail to build is left out of the step (`last_failed`) and the rest runs. An exception once device
-work has begun is raised as `StepFault` naming every request of the step."""
+inputs fail to build is left out of the step (`ModelRunnerOutput.failed`) and the rest runs. An exception
+once device work has begun is raised as `StepFault` naming every request of the step."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,13 +20,14 @@ from transformers import PretrainedConfig
 
 from mmserve.encoders.vision import VisionTower
 from mmserve.engine.faults import FaultInjector, StepFault
-from mmserve.engine.forward_batch import ForwardBatch
 from mmserve.engine.sampler import Sampler, SamplingMetadata
 from mmserve.kernels.dispatch import get_attention_backend
 from mmserve.models.config import DecoderConfig
+from mmserve.models.forward_batch import ForwardBatch
 from mmserve.models.loader import load_decoder_weights
 from mmserve.models.qwen2 import MRotaryEmbedding, Qwen2Decoder
-from mmserve.scheduler.output import EncoderWork, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from mmserve.scheduler.output import EncoderWork, FailedRequest, ModelRunnerOutput, SchedulerOutput
+from mmserve.scheduler.plan_state import RequestStates, StepView
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +39,6 @@ class _Rows:
     positions: list[int]  # [num_scheduled_tokens] 1-D positions (media prompt rows overwritten by mrope)
     mrope: tuple[int, object, int] | None  # (number of prompt rows, [3, prompt] positions, from) or None
     slots: list[int]  # [num_scheduled_tokens] KV slot of each token
-
-
-@dataclass(frozen=True)
-class FailedRequest:
-    """A request left out of a step because its inputs could not be built."""
-
-    request_id: str
-    num_computed_tokens: int  # before the step: what its KV really holds
-    error: BaseException
 
 
 class ModelRunner:
@@ -73,13 +67,11 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
-        self.last_encoder_duration_s = 0.0  # of the last execute()
+        self.requests = RequestStates()  # what the plans so far have sent of each running request
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
         self.vision = VisionTower(hf_config, model_dir, device, dtype) if has_vision else None
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}  # (mm_hash, group) -> [tokens, hidden]
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
-        # Requests the last execute() left out (their inputs failed to build); the engine fails them.
-        self.last_failed: list[FailedRequest] = []
 
     @staticmethod
     def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -87,72 +79,79 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs the plan minus the requests whose inputs fail to build (see `last_failed`). Raises
+        """Runs the plan minus the requests whose inputs fail to build (`failed` in the output). Raises
         `StepFault` if the step fails after device work began."""
         for key in plan.freed_encoder_keys:
             self.encoder_cache.pop(key, None)
-        rows, self.last_failed = self._build_rows(plan)
-        if self.last_failed:
-            failed = {f.request_id for f in self.last_failed}
-            scheduled = tuple(s for s in plan.scheduled if s.request_id not in failed)
-            # The encoder work stays: it is per media item, and the scheduler already counts its
-            # entries as cached (other requests may share them).
-            plan = dataclasses.replace(
-                plan, scheduled=scheduled, num_scheduled_tokens=sum(s.num_scheduled_tokens for s in scheduled)
-            )
+        try:
+            views = self.requests.apply(plan)
+        except ValueError as exc:  # a plan that contradicts the ones before it: nothing can be trusted
+            raise StepFault(frozenset(s.request_id for s in plan.scheduled), exc) from exc
+        views, rows, failed = self._build_rows(views)
         try:
             self.faults.check_step()
-            return self._execute(plan, rows)
+            return self._execute(plan, views, rows, tuple(failed))
         except Exception as exc:
-            touched = {s.request_id for s in plan.scheduled}
+            touched = {v.request_id for v in views}
             raise StepFault(frozenset(touched), exc) from exc
 
-    def _build_rows(self, plan: SchedulerOutput) -> tuple[dict[str, _Rows], list[FailedRequest]]:
+    def reset_encoder_cache(self) -> None:
+        self.encoder_cache.clear()
+
+    def _build_rows(self, views: list[StepView]) -> tuple[list[StepView], list[_Rows], list[FailedRequest]]:
         """Each request's rows, built alone so that an error is that request's. A request whose prefill
         shares a block that a failed request was to write in this step fails with it (it would read KV
-        that is never written)."""
+        that is never written). Returns the views that run, their rows, and the failed."""
         rows: dict[str, _Rows] = {}
         failed: list[FailedRequest] = []
-        for s in plan.scheduled:
+        errors: list[BaseException] = []
+        for v in views:
             try:
-                self.faults.check_request(s.request_id)
-                rows[s.request_id] = self._rows(s)
+                self.faults.check_request(v.request_id)
+                rows[v.request_id] = self._rows(v)
             except Exception as exc:  # attributed to this request; the engine reports it
-                failed.append(FailedRequest(s.request_id, s.num_computed_tokens, exc))
+                failed.append(FailedRequest(v.request_id, v.start, f"{type(exc).__name__}: {exc}"))
+                errors.append(exc)
         if failed:
             bs = self.block_size
             failed_ids = {f.request_id for f in failed}
             unwritten = {
                 b
-                for s in plan.scheduled
-                if s.request_id in failed_ids
-                for b in s.block_ids[
-                    s.num_computed_tokens // bs : -(-(s.num_computed_tokens + s.num_scheduled_tokens) // bs)
-                ]
+                for v in views
+                if v.request_id in failed_ids
+                for b in v.state.block_ids[v.start // bs : -(-v.end // bs)]
             }
-            for s in plan.scheduled:
-                if s.request_id in rows and unwritten.intersection(s.block_ids):
-                    del rows[s.request_id]
-                    error = RuntimeError("shares KV blocks with a request that failed in the same step")
-                    failed.append(FailedRequest(s.request_id, s.num_computed_tokens, error))
-            for f in failed:
-                logger.error("request %s failed while building its inputs", f.request_id, exc_info=f.error)
-        return rows, failed
+            for v in views:
+                if v.request_id in rows and unwritten.intersection(v.state.block_ids):
+                    del rows[v.request_id]
+                    message = "shares KV blocks with a request that failed in the same step"
+                    failed.append(FailedRequest(v.request_id, v.start, message))
+                    errors.append(RuntimeError(message))
+            for f, error in zip(failed, errors, strict=True):
+                logger.error("request %s failed while building its inputs", f.request_id, exc_info=error)
+            for f in failed:  # the scheduler finishes them; their state here is dropped now
+                self.requests.drop(f.request_id)
+        kept = [v for v in views if v.request_id in rows]
+        return kept, [rows[v.request_id] for v in kept], failed
 
-    def _execute(self, plan: SchedulerOutput, rows: dict[str, _Rows]) -> ModelRunnerOutput:
+    def _execute(
+        self, plan: SchedulerOutput, views: list[StepView], rows: list[_Rows], failed: tuple[FailedRequest, ...]
+    ) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._run_encoder(plan.encoder_work)
         if plan.encoder_work and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # time the encoder itself (profiling only when it ran)
-        self.last_encoder_duration_s = time.perf_counter() - start if plan.encoder_work else 0.0
-        if plan.is_empty:  # only encoder work (its requests were preempted after planning it)
-            return ModelRunnerOutput((), (), ())
-        batch = self._prepare(plan, rows)
-        hidden = self.model(batch, self.kv_caches, self._embeddings(plan, batch))  # [num_tokens, hidden]
+        encoder_s = time.perf_counter() - start if plan.encoder_work else 0.0
+        if not views:  # only encoder work (its requests were preempted after planning it, or failed)
+            return ModelRunnerOutput((), (), (), failed, encoder_s)
+        forward_start = time.perf_counter()
+        batch = self._prepare(views, rows)
+        hidden = self.model(batch, self.kv_caches, self._embeddings(views, batch))  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
-        sampled = [s for s in plan.scheduled if s.sample]
+        sampling_start = time.perf_counter()
+        sampled = [v for v in views if v.scheduled.sample]
         metadata = SamplingMetadata.from_params(
-            [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled], self.device
+            [v.state.data.sampling_params for v in sampled], [v.num_output_tokens for v in sampled], self.device
         )
         out = self.sampler(logits, metadata)
         # The step's only host sync: copy every result at once.
@@ -164,18 +163,23 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).synchronize()
         token_ids, lp_ids, lps = host
         logprobs: list[dict[int, float] | None] = []
-        for row, s in enumerate(sampled):
-            k = s.sampling_params.logprobs
+        for row, v in enumerate(sampled):
+            k = v.state.data.sampling_params.logprobs
             if k is None or lp_ids is None or lps is None:
                 logprobs.append(None)
             else:
                 logprobs.append(
                     dict(zip(lp_ids[row, : k + 1].tolist(), lps[row, : k + 1].tolist(), strict=True))
                 )
+        end = time.perf_counter()
         return ModelRunnerOutput(
-            request_ids=tuple(s.request_id for s in sampled),
+            request_ids=tuple(v.request_id for v in sampled),
             sampled_token_ids=tuple(token_ids.tolist()),
             logprobs=tuple(logprobs),
+            failed=failed,
+            encoder_s=encoder_s,
+            forward_s=sampling_start - forward_start,
+            sampling_s=end - sampling_start,
         )
 
     def _run_encoder(self, work: tuple[EncoderWork, ...]) -> None:
@@ -194,14 +198,14 @@ class ModelRunner:
                 self.encoder_cache[(mm.mm_hash, first + k)] = chunk
             i = j
 
-    def _embeddings(self, plan: SchedulerOutput, batch: ForwardBatch) -> torch.Tensor | None:
+    def _embeddings(self, views: list[StepView], batch: ForwardBatch) -> torch.Tensor | None:
         """Token embeddings with media embeddings spliced over their placeholder rows, or None when
         no scheduled token is a placeholder (the model then embeds the ids itself)."""
         embeds = None
         row = 0
-        for s in plan.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
-            for mm in s.mm_inputs:
+        for v in views:
+            start, end = v.start, v.end
+            for mm in v.state.data.mm_inputs:
                 first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
                 if last <= start or first >= end:
                     continue
@@ -215,23 +219,25 @@ class ModelRunner:
                     a, b = max(start, g0), min(end, g1)
                     cached = self.encoder_cache[(mm.mm_hash, group)]
                     embeds[row + a - start : row + b - start] = cached[a - g0 : b - g0]
-            row += s.num_scheduled_tokens
+            row += end - start
         return embeds
 
-    def _rows(self, s: ScheduledRequest) -> _Rows:
+    def _rows(self, v: StepView) -> _Rows:
         bs = self.block_size
-        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
-        if len(s.token_ids) != end - start or -(-end // bs) > len(s.block_ids):
-            raise ValueError(f"request {s.request_id}: the plan does not cover its tokens")
+        start, end = v.start, v.end
+        data, block_ids = v.state.data, v.state.block_ids
+        if -(-end // bs) > len(block_ids):
+            raise ValueError(f"request {v.request_id}: the plan does not cover its tokens")
         # 1-D positions; media prompt tokens are overwritten with their 3-D positions below.
-        positions = list(range(start + s.mrope_delta, end + s.mrope_delta))
+        positions = list(range(start + data.mrope_delta, end + data.mrope_delta))
         mrope = None
-        if s.mrope_positions is not None and start < s.num_prompt_tokens:
-            mrope = (min(end, s.num_prompt_tokens) - start, s.mrope_positions, start)
-        slots = [s.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        num_prompt = v.state.num_prompt_tokens
+        if data.mrope_positions is not None and start < num_prompt:
+            mrope = (min(end, num_prompt) - start, data.mrope_positions, start)
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
         return _Rows(positions, mrope, slots)
 
-    def _prepare(self, plan: SchedulerOutput, rows: dict[str, _Rows]) -> ForwardBatch:
+    def _prepare(self, views: list[StepView], rows: list[_Rows]) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -239,22 +245,22 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         mrope_rows: list[tuple[int, int, torch.Tensor, int]] = []  # (batch rows, prompt positions, from)
-        max_blocks = max(len(s.block_ids) for s in plan.scheduled)
+        max_blocks = max(len(v.state.block_ids) for v in views)
         block_tables = []
-        for s in plan.scheduled:
-            r = rows[s.request_id]
-            input_ids.extend(s.token_ids)
+        for v, r in zip(views, rows, strict=True):
+            input_ids.extend(v.token_ids)
             positions.extend(r.positions)
             if r.mrope is not None:
                 row = query_start_loc[-1]
                 num_rows, prompt_positions, start = r.mrope
                 mrope_rows.append((row, row + num_rows, prompt_positions, start))  # type: ignore[arg-type]
             slots.extend(r.slots)
-            query_start_loc.append(query_start_loc[-1] + s.num_scheduled_tokens)
-            seq_lens.append(s.num_computed_tokens + s.num_scheduled_tokens)
-            if s.sample:
+            query_start_loc.append(query_start_loc[-1] + v.scheduled.num_scheduled_tokens)
+            seq_lens.append(v.end)
+            if v.scheduled.sample:
                 logits_indices.append(query_start_loc[-1] - 1)
-            block_tables.append(list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)))
+            block_ids = v.state.block_ids
+            block_tables.append(block_ids + [0] * (max_blocks - len(block_ids)))
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.long).expand(3, -1)
         if mrope_rows:

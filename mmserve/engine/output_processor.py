@@ -24,6 +24,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    preprocess_time: float | None = None  # arrival -> handed to the engine core (media decode included)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -83,9 +84,13 @@ class OutputProcessor:
         self.class_slo = class_slo
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request, prompt: str | None) -> None:
+    def add_request(self, request: Request, prompt: str | None, processed_time: float | None = None) -> None:
+        """`processed_time` (time.monotonic()): when the request was ready for the core, if measured."""
         defaults = self.class_slo(request.service_class) if self.class_slo is not None else SLO()
-        self._states[request.request_id] = _RequestState(request, prompt, self.tokenizer, defaults)
+        state = _RequestState(request, prompt, self.tokenizer, defaults)
+        if processed_time is not None:
+            state.output.metrics.preprocess_time = processed_time - request.arrival_time
+        self._states[request.request_id] = state
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Close a request the caller aborted; returns its final output."""
@@ -106,6 +111,8 @@ class OutputProcessor:
             if state is None:
                 continue
             out, metrics = state.output, state.output.metrics
+            if core_out.service_class is not None:  # as the scheduler serves it (a downgrade shows here)
+                out.service_class = ServiceClass(core_out.service_class)
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
                 metrics.num_cached_tokens = core_out.num_cached_tokens

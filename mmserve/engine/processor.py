@@ -35,9 +35,10 @@ class Processor:
         self.mm_processor = mm_processor
 
     def process(
-        self, prompt: PromptType, params: SamplingParams, request_id: str
+        self, prompt: PromptType, params: SamplingParams, request_id: str, arrival_time: float | None = None
     ) -> tuple[Request, str | None]:
-        """Returns the request and the prompt text (None when the prompt came as token ids)."""
+        """Returns the request and the prompt text (None when the prompt came as token ids).
+        `arrival_time` (time.monotonic()): when the request was received; default now."""
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
@@ -66,6 +67,8 @@ class Processor:
                 f"prompt: token ids {bad[:5]} are outside [0, {self.vocab_size})", param="prompt"
             )
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         if expanded is not None:
             request.mm_inputs = expanded.mm_inputs
             request.mrope_positions = expanded.mrope_positions

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.engine.forward_batch import ForwardBatch
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.models.config import DecoderConfig
+from mmserve.models.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,10 @@
-"""The scheduler <-> model runner contract: one plan goes down, one list-based output comes back.
+"""The scheduler <-> model runner contract: one incremental plan goes down, one output comes back.
 
-Pure data, torch-free. The scheduler produces `SchedulerOutput`; only `ModelRunnerOutput` flows back.
+Pure data, torch-free. A request's prompt, media and sampling params cross once, in the first plan
+that schedules it (`NewRequestData`, again after a preemption); later plans carry only what changed
+(`ScheduledRequest`: new token ids, new block ids, tokens granted). The runner keeps the rest
+(`plan_state.RequestStates`). The scheduler produces `SchedulerOutput`; only `ModelRunnerOutput`
+flows back.
 """
 
 from __future__ import annotations
@@ -11,29 +15,34 @@ from mmserve.request import MultiModalInput, SamplingParams
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step.
+class NewRequestData:
+    """What the runner keeps about a request for as long as it runs (sent once per admission)."""
 
-    The runner computes tokens all_token_ids[num_computed_tokens : num_computed_tokens + len(token_ids)]
-    and writes their K/V through `block_ids`. It samples one token iff `sample` is true, i.e. the
-    chunk reaches the end of the request's known tokens.
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    mrope_positions: object = None  # [3, num_prompt_tokens] tensor for media prompts; None for text
+    mrope_delta: int = 0  # output token i (absolute index) sits at position i + mrope_delta
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, as a diff against what earlier plans sent.
+
+    The runner computes tokens [num_computed_tokens, num_computed_tokens + num_scheduled_tokens) of the
+    request, appending `new_token_ids` to the token ids it knows and `new_block_ids` to its block table
+    first (both may be empty). It samples one token iff `sample`, i.e. the grant reaches the end of the
+    request's known tokens.
     """
 
     request_id: str
-    token_ids: tuple[int, ...]  # [num_scheduled_tokens]
     num_computed_tokens: int  # tokens already in the KV cache before this step
-    block_ids: tuple[int, ...]  # the whole block table; covers num_computed_tokens + len(token_ids)
-    sample: bool
-    sampling_params: SamplingParams
-    num_output_tokens: int  # tokens generated so far; seeds per-step sampling noise
-    num_prompt_tokens: int
-    mrope_positions: object = None  # [3, num_prompt_tokens] tensor for media prompts; None for text
-    mrope_delta: int = 0  # output token i (absolute index) sits at position i + mrope_delta
-    mm_inputs: tuple[MultiModalInput, ...] = ()
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.token_ids)
+    num_scheduled_tokens: int
+    new_token_ids: tuple[int, ...] = ()  # tokens the runner has not been sent (a decode: its last sample)
+    new_block_ids: tuple[int, ...] = ()
+    sample: bool = False
+    is_decode: bool = False  # extends the output by one token (Request.is_decoding when planned)
 
 
 @dataclass(frozen=True)
@@ -47,14 +56,20 @@ class EncoderWork:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The plan of one step. `scheduled` is in batch order; the runner keeps that order."""
+    """The plan of one step. `scheduled` is in batch order; the runner keeps that order.
+
+    The runner applies, in this order: drop `finished_request_ids` and `preempted_request_ids`, add
+    `new_requests`, then each `ScheduledRequest`'s diffs.
+    """
 
     scheduled: tuple[ScheduledRequest, ...]
     num_scheduled_tokens: int
+    new_requests: tuple[NewRequestData, ...] = ()
     encoder_work: tuple[EncoderWork, ...] = ()
     freed_encoder_keys: tuple[tuple[str, int], ...] = ()  # evicted: drop before running encoder_work
     # Requests that ended since the last plan, so the runner can drop any state it keeps for them.
     finished_request_ids: frozenset[str] = frozenset()
+    # Preempted since the last plan: the runner drops them; a readmission sends them as new again.
     preempted_request_ids: frozenset[str] = frozenset()
 
     @property
@@ -62,9 +77,20 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
+    def has_work(self) -> bool:
+        """Anything for the runner to do or to forget."""
+        return bool(
+            self.scheduled
+            or self.encoder_work
+            or self.freed_encoder_keys
+            or self.finished_request_ids
+            or self.preempted_request_ids
+        )
+
+    @property
     def num_decode_tokens(self) -> int:
         """Tokens that extend a request's output (one per decoding request)."""
-        return sum(1 for s in self.scheduled if s.num_computed_tokens >= s.num_prompt_tokens)
+        return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -76,28 +102,48 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class FailedRequest:
+    """A request the runner left out of a step because its inputs could not be built."""
+
+    request_id: str
+    num_computed_tokens: int  # before the step: what its KV really holds
+    message: str  # for the log; never shown to clients
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Sampled tokens of one step, one row per `ScheduledRequest` with `sample` set, in plan order.
+    """Sampled tokens of one step, one row per `ScheduledRequest` with `sample` set, in plan order,
+    less the requests in `failed`.
 
     `logprobs[i]` maps token id -> logprob (the chosen token plus the top-k) when that request
-    asked for logprobs, else None.
+    asked for logprobs, else None. The durations are wall seconds of this execute's parts.
     """
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[dict[int, float] | None, ...]
+    failed: tuple[FailedRequest, ...] = ()
+    encoder_s: float = 0.0
+    forward_s: float = 0.0  # decoder forward + logits
+    sampling_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class EngineCoreOutput:
-    """What one step produced for one request: new token ids, their logprobs, and whether it ended."""
+    """What one step produced for one request: new token ids, their logprobs, and whether it ended.
+
+    `finish_reason` "error": the engine failed the request (`error` says how, for the log); the front
+    end raises `RequestFailedError` on its stream. Other finish reasons: "stop" | "length" | "abort".
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[dict[int, float], ...] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when the request first got tokens
+    error: str | None = None
+    service_class: int | None = None  # the class the scheduler serves it in (after any downgrade)
 
     @property
     def finished(self) -> bool:

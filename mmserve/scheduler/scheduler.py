@@ -13,7 +13,7 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
@@ -25,6 +25,7 @@ from mmserve.scheduler.output import (
     EncoderWork,
     EngineCoreOutput,
     ModelRunnerOutput,
+    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -45,6 +46,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens
     encoder_cache_hits: int  # embedding tokens served from the encoder cache
     num_encoder_tokens_computed: int  # embedding tokens the encoder computed
+    num_referenced_encoder_tokens: int = 0  # encoder-cache tokens some live request still needs
     # Per service class (every policy counts them; only `slo` acts on classes).
     num_preemptions_interactive: int = 0
     num_preemptions_batch: int = 0
@@ -98,6 +100,9 @@ class Scheduler:
         self._arrival_seq = itertools.count()
         self._finished_ids: set[str] = set()  # since the last plan
         self._preempted_ids: set[str] = set()
+        # What the runner has been sent of each running request: (token ids, block ids). A request
+        # absent here is sent whole (NewRequestData) the next time it is scheduled.
+        self._sent: dict[str, tuple[int, int]] = {}
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,11 +139,48 @@ class Scheduler:
         self._finish(request, status)
         return True
 
+    def preempted_since_last_plan(self, request_id: str) -> bool:
+        """Preempted in the step being planned (or since the last plan): not readmitted in the same step."""
+        return request_id in self._preempted_ids
+
+    def fail_requests(self, request_ids: Iterable[str], message: str) -> list[EngineCoreOutput]:
+        """The engine failed these requests: free everything they hold; one error output each."""
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            outputs.append(
+                EngineCoreOutput(request_id, (), None, RequestStatus.FINISHED_ERROR.finish_reason, error=message)
+            )
+        return outputs
+
+    def fail_step(self, request_ids: Iterable[str], message: str) -> list[EngineCoreOutput]:
+        """A step failed on the device. Its KV writes and encoder outputs are indeterminate, so no block
+        hash or encoder entry is trusted any more: fail the step's requests and every request part-way
+        into its media (its encoder entries are gone). The others keep their KV (the step never wrote
+        it) and go on."""
+        self.forget_cached_state()
+        victims = set(request_ids)
+        for request_id, request in self.requests.items():
+            media_end = max((m.placeholder.offset + m.placeholder.length for m in request.mm_inputs), default=0)
+            if 0 < request.num_computed_tokens < media_end:
+                victims.add(request_id)
+        return self.fail_requests(sorted(victims), message)
+
     def forget_cached_state(self) -> None:
         """After a step failed on the device, no block hash or encoder entry can be trusted: the
         step's KV and encoder outputs may not have been written. The caller aborts its requests."""
         self.kv.reset_prefix_cache()
         self.encoder_cache.reset()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    def request_ids(self) -> list[str]:
+        """Every request the scheduler holds (waiting or running)."""
+        return list(self.requests)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -160,6 +202,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             encoder_cache_hits=self.encoder_cache.num_hit_tokens,
             num_encoder_tokens_computed=self.encoder_cache.num_computed_tokens,
+            num_referenced_encoder_tokens=self.encoder_cache.num_referenced_tokens,
             num_preemptions_interactive=self.num_preemptions_by_class[ServiceClass.INTERACTIVE],
             num_preemptions_batch=self.num_preemptions_by_class[ServiceClass.BATCH],
             num_throttled_batch_decodes=slo.throttled_batch_decodes if slo is not None else 0,
@@ -180,25 +223,38 @@ class Scheduler:
                     self._schedule_waiting(step)
 
         scheduled = []
+        new_requests = []
         for request_id, num_new_tokens in step.grants.items():
             request = self.requests[request_id]
             start = request.num_computed_tokens
             end = start + num_new_tokens
+            sent = self._sent.get(request_id)
+            if sent is None:
+                new_requests.append(
+                    NewRequestData(
+                        request_id=request_id,
+                        prompt_token_ids=tuple(request.prompt_token_ids),
+                        sampling_params=request.sampling_params,
+                        mm_inputs=tuple(request.mm_inputs),
+                        mrope_positions=request.mrope_positions,
+                        mrope_delta=request.mrope_delta,
+                    )
+                )
+                sent = (request.num_prompt_tokens, 0)
+            num_tokens_sent, num_blocks_sent = sent
+            block_ids = self.kv.block_ids(request_id)
             scheduled.append(
                 ScheduledRequest(
                     request_id=request_id,
-                    token_ids=tuple(request.all_token_ids[start:end]),
                     num_computed_tokens=start,
-                    block_ids=tuple(self.kv.block_ids(request_id)),
+                    num_scheduled_tokens=num_new_tokens,
+                    new_token_ids=tuple(request.all_token_ids[num_tokens_sent:end]),
+                    new_block_ids=tuple(block_ids[num_blocks_sent:]),
                     sample=end == request.num_tokens,
-                    sampling_params=request.sampling_params,
-                    num_output_tokens=request.num_output_tokens,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    mrope_positions=request.mrope_positions,
-                    mrope_delta=request.mrope_delta,
-                    mm_inputs=tuple(request.mm_inputs),
+                    is_decode=request.is_decoding,
                 )
             )
+            self._sent[request_id] = (max(num_tokens_sent, end), len(block_ids))
             # Advanced now, so that a chunked prefill's next chunk can be planned next step.
             request.num_computed_tokens = end
             # Groups whose every token is now planned are no longer needed by this request (unless the
@@ -221,6 +277,7 @@ class Scheduler:
         plan = SchedulerOutput(
             scheduled=tuple(scheduled),
             num_scheduled_tokens=sum(step.grants.values()),
+            new_requests=tuple(new_requests),
             encoder_work=tuple(step.encoder_work),
             freed_encoder_keys=tuple(self.encoder_cache.take_evicted()),  # dropped before encoding
             finished_request_ids=frozenset(self._finished_ids),
@@ -233,6 +290,12 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens and finish requests that stop. One output per sampled request."""
         outputs = []
+        for failed in runner_output.failed:  # left out of the step by the runner: they fail alone
+            request = self.requests.get(failed.request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                # What its KV really holds, so that freeing it unpublishes the blocks never written.
+                request.num_computed_tokens = failed.num_computed_tokens
+            outputs += self.fail_requests([failed.request_id], "the request failed inside the engine")
         now = self.clock()
         for request_id, token_id, logprobs in zip(
             runner_output.request_ids, runner_output.sampled_token_ids, runner_output.logprobs, strict=True
@@ -255,6 +318,7 @@ class Scheduler:
                     finish_reason=status.finish_reason if status is not None else None,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     first_scheduled_time=request.first_scheduled_time,
+                    service_class=int(request.service_class),
                 )
             )
         return outputs
@@ -264,27 +328,25 @@ class Scheduler:
         """Grant running requests tokens, decodes before partial prefills. Returns whether it preempted."""
         preempted = False
         # Stable sort: decodes (one token left) first, each group in admission order.
-        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for request in sorted(self.running, key=lambda r: not r.is_decoding):
             if step.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
-            num_new_tokens, encoder_plan = self._plan_encoder(
+            num_new_tokens, encoder_plan = self.plan_encoder(
                 request, start, min(request.num_tokens - start, step.budget), step
             )
             if num_new_tokens <= 0:
                 continue  # its last sampled token is not applied yet, or the encoder budget is spent
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
-                step.budget += step.grants.pop(victim.request_id, 0) + step.charges.pop(victim.request_id, 0)
-                self._preempt(victim)
-                step.releases.append((victim.request_id, None))
+                self.preempt(step, victim)
                 preempted = True
                 if victim is request:
                     break
             if request.status == RequestStatus.RUNNING:
-                self._grant(step, request, num_new_tokens, encoder_plan)
+                self.grant(step, request, num_new_tokens, encoder_plan)
         return preempted
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -302,17 +364,17 @@ class Scheduler:
                 and not request.num_preemptions
             ):
                 break
-            num_new_tokens, encoder_plan = self._plan_encoder(
+            num_new_tokens, encoder_plan = self.plan_encoder(
                 request, num_cached, min(num_new_tokens, step.budget), step
             )
             if num_new_tokens <= 0:
                 break
             if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
-            self._start_running(request, num_cached)
-            self._grant(step, request, num_new_tokens, encoder_plan)
+            self.start_running(request, num_cached)
+            self.grant(step, request, num_new_tokens, encoder_plan)
 
-    def _start_running(self, request: Request, num_cached: int) -> None:
+    def start_running(self, request: Request, num_cached: int) -> None:
         """Move an admitted request (its blocks just allocated) from waiting to running."""
         self.waiting.remove(request)
         self.running.append(request)
@@ -323,7 +385,7 @@ class Scheduler:
             request.first_scheduled_time = self.clock()
         self.kv.record_prefix_lookup(request.num_tokens, num_cached)
 
-    def _plan_encoder(
+    def plan_encoder(
         self, request: Request, start: int, num_new_tokens: int, step: _Step
     ) -> tuple[int, list[EncoderGrant]]:
         """Decide the encoder work that tokens [start, start + num_new_tokens) need, without changing
@@ -387,7 +449,7 @@ class Scheduler:
                 planned.add(key)
         return min(num_new_tokens, step.budget - charged), plan
 
-    def _grant(
+    def grant(
         self,
         step: _Step,
         request: Request,
@@ -408,8 +470,12 @@ class Scheduler:
                 step.encoder_budget -= mm.tokens_per_group
                 step.encoder_work.append(EncoderWork(mm, group))
 
-    def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: drop the request's KV and send it back to the waiting queue."""
+    def preempt(self, step: _Step, request: Request) -> None:
+        """Preemption by recompute: drop the request's KV and send it back to the waiting queue; what
+        this step had granted it returns to the budget."""
+        step.budget += step.grants.pop(request.request_id, 0) + step.charges.pop(request.request_id, 0)
+        step.releases.append((request.request_id, None))
+        self._sent.pop(request.request_id, None)
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -438,6 +504,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request)
         self.encoder_cache.release_all(request.request_id)
+        self._sent.pop(request.request_id, None)
         request.status = status
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)

@@ -190,7 +190,7 @@ class SloPlanner:
         self._evicted_for_growth = False
         self._forget_finished()
         running = list(sched.running)
-        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in running if r.is_decoding]
         interactive_decodes = [r for r in decodes if r.service_class == INTERACTIVE]
         batch_decodes = [r for r in decodes if r.service_class == BATCH]
         max_skips = self.config.max_batch_decode_skips
@@ -214,7 +214,7 @@ class SloPlanner:
         prefills = [
             r
             for r in sched.running
-            if r.num_tokens - r.num_computed_tokens > 1 and r.request_id not in step.grants
+            if not r.is_decoding and r.request_id not in step.grants
         ]
         work = sorted(((self.prefill_key(r), r) for r in prefills + sched.waiting), key=lambda e: e[0])
         urgent = [r for key, r in work if key[0] != Tier.BATCH]
@@ -270,7 +270,7 @@ class SloPlanner:
         seconds = self._seconds_left - reserve_seconds
         if progress:
             seconds = max(seconds, floor)
-        if max_tokens <= 0 or request.request_id in sched._preempted_ids:
+        if max_tokens <= 0 or sched.preempted_since_last_plan(request.request_id):
             return False  # no budget, or evicted earlier in this step: not readmitted in the same step
         if request.status == RequestStatus.RUNNING:
             if request.request_id in step.grants:
@@ -279,7 +279,7 @@ class SloPlanner:
             n, plan = self._fit(step, request, start, min(request.num_tokens - start, max_tokens), seconds)
             if n <= 0 and progress:
                 unit = min(self._next_unit(request, start, progress), max_tokens)
-                n, plan = sched._plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
+                n, plan = sched.plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
             return n > 0 and self._serve_running(step, request, n, plan)
         # Waiting since the step began (victims of this step were turned away above).
         if request.status not in _WAITING or len(sched.running) >= self.config.max_num_seqs:
@@ -294,7 +294,7 @@ class SloPlanner:
             )
             if n <= 0 and progress:
                 unit = min(self._next_unit(request, num_cached, progress), max_tokens)
-                n, plan = sched._plan_encoder(request, num_cached, unit, step) if unit > 0 else (0, [])
+                n, plan = sched.plan_encoder(request, num_cached, unit, step) if unit > 0 else (0, [])
             if n <= 0:
                 return False
             if sched.kv.allocate_slots(request, n, computed_blocks) is not None:
@@ -303,7 +303,7 @@ class SloPlanner:
             if victim is None:
                 return False
             self._preempt(step, victim)
-        sched._start_running(request, num_cached)
+        sched.start_running(request, num_cached)
         self._record_grant(step, request, n, plan)
         return True
 
@@ -320,7 +320,7 @@ class SloPlanner:
         sched = self.sched
         start = request.num_computed_tokens
         if plan is None:
-            num_tokens, plan = sched._plan_encoder(request, start, min(num_tokens, step.budget), step)
+            num_tokens, plan = sched.plan_encoder(request, start, min(num_tokens, step.budget), step)
             if num_tokens <= 0:
                 return False
             if sched.step_time.grant_cost(start, num_tokens, _new_encoder_tokens(plan)) > max_seconds:
@@ -346,7 +346,7 @@ class SloPlanner:
         n = min(max_tokens, model.tokens_within(seconds, start))
         if n <= 0:
             return 0, []
-        n, plan = sched._plan_encoder(request, start, n, step)
+        n, plan = sched.plan_encoder(request, start, n, step)
         if n <= 0:
             return 0, []
         encoder_tokens = _new_encoder_tokens(plan)
@@ -355,14 +355,14 @@ class SloPlanner:
             n = min(n, model.tokens_within(seconds, start, encoder_tokens))
             if n <= 0:
                 return 0, []
-            n, plan = sched._plan_encoder(request, start, n, step)
+            n, plan = sched.plan_encoder(request, start, n, step)
         return n, plan
 
     def _record_grant(self, step: _Step, request: Request, num_tokens: int, plan: EncoderPlan) -> None:
         cost = self.sched.step_time.grant_cost(
             request.num_computed_tokens, num_tokens, _new_encoder_tokens(plan)
         )
-        self.sched._grant(step, request, num_tokens, plan)
+        self.sched.grant(step, request, num_tokens, plan)
         self._costs[request.request_id] = cost
         self._seconds_left -= cost
         self._last_served[request.request_id] = self._now
@@ -420,7 +420,7 @@ class SloPlanner:
     def _victim_rank(self, request: Request) -> tuple[int, float, int]:
         """Larger is evicted first: batch prefills, batch decodes, late interactive prefills,
         interactive prefills with the most slack; interactive decodes last (latest arrival first)."""
-        decode = request.num_tokens - request.num_computed_tokens <= 1
+        decode = request.is_decoding
         if request.service_class == BATCH:
             return (3 if decode else 4), 0.0, request.arrival_seq
         if decode:
@@ -432,10 +432,8 @@ class SloPlanner:
 
     def _preempt(self, step: _Step, victim: Request) -> None:
         sched = self.sched
-        step.budget += step.grants.pop(victim.request_id, 0) + step.charges.pop(victim.request_id, 0)
         self._seconds_left += self._costs.pop(victim.request_id, 0.0)
-        sched._preempt(victim)
-        step.releases.append((victim.request_id, None))
+        sched.preempt(step, victim)
         if victim.num_preemptions >= self.config.pin_after_preemptions:
             self._pinned_until[victim.request_id] = self._now + self.config.pin_ms / 1e3
 

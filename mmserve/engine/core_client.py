@@ -1,0 +1,152 @@
+"""A front end's connection to the engine core: starts it (a spawned process, or a thread), says hello,
+sends typed messages and receives the core's, and watches that the core is alive.
+
+Thread-safety: `send_*` may be called from any thread (one lock guards the PUSH socket); `recv` belongs
+to one thread (the front end's output thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from mmserve.config import EngineArgs
+from mmserve.engine.core_proc import run_engine_core
+from mmserve.engine.messages import EngineInfo
+from mmserve.engine.serial import Decoder, Encoder
+from mmserve.engine.wire import (
+    AbortRequests,
+    AddRequest,
+    CoreOutput,
+    Hello,
+    MediaMirror,
+    Ready,
+    Shutdown,
+    StartFailed,
+    UtilityCall,
+    request_to_wire,
+)
+from mmserve.errors import EngineDeadError
+from mmserve.request import Request
+
+_START_TIMEOUT_S = 600.0  # loading a big checkpoint takes a while
+
+
+class EngineCoreClient:
+    def __init__(self, args: EngineArgs, *, engine_process: bool = True, client_index: int = 0) -> None:
+        self.engine_process = engine_process
+        self.client_index = client_index
+        self._dir = Path(tempfile.mkdtemp(prefix="mmserve-core-"))
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output-{client_index}-{uuid.uuid4().hex[:8]}"
+        self.context = zmq.Context()
+        self._pull = self.context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(output_address)
+        self._push = self.context.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._send_lock = threading.Lock()
+        self._encoder = Encoder()
+        self._decoder = Decoder(CoreOutput)
+        self._media = MediaMirror()
+        self._process: Any = None
+        self._thread: threading.Thread | None = None
+        if engine_process:
+            ctx = multiprocessing.get_context("spawn")
+            self._process = ctx.Process(
+                target=run_engine_core, args=(args, input_address), name="mmserve-engine-core", daemon=True
+            )
+            self._process.start()
+        else:
+            bound = threading.Event()
+            self._thread = threading.Thread(
+                target=run_engine_core,
+                args=(args, input_address),
+                kwargs={"context": self.context, "in_process": True, "ready": bound},
+                name="mmserve-engine-core",
+                daemon=True,
+            )
+            self._thread.start()
+            bound.wait(30)
+        self._push.connect(input_address)
+        self._send(Hello(client_index, output_address, os.getpid()))
+        self.info: EngineInfo = self._wait_ready()
+
+    # -- sending (any thread) ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        with self._send_lock:  # the media mirror's order is the socket's order
+            message = AddRequest(self.client_index, request_to_wire(request, self._media))
+            self._push.send_multipart(self._encoder.encode(message), copy=False)
+
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        if request_ids:
+            self._send(AbortRequests(list(request_ids), stopped))
+
+    def call_utility(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        self._send(UtilityCall(self.client_index, call_id, method, args))
+
+    def _send(self, message: Any) -> None:
+        with self._send_lock:
+            self._push.send_multipart(self._encoder.encode(message), copy=False)
+
+    # -- receiving (the output thread) -------------------------------------------------------------
+    def recv(self, timeout_s: float) -> Any:
+        """The next message from the core, or None after `timeout_s`."""
+        if not self._pull.poll(int(timeout_s * 1000)):
+            return None
+        return self._decoder.decode(self._pull.recv_multipart(copy=False))
+
+    def core_alive(self) -> bool:
+        if self._process is not None:
+            return self._process.is_alive()
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def core_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def _wait_ready(self) -> EngineInfo:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            message = self.recv(0.2)
+            if isinstance(message, Ready):
+                return message.info
+            if isinstance(message, StartFailed):
+                self.close()
+                raise EngineDeadError(message.message)
+            if not self.core_alive():
+                code = self._process.exitcode if self._process is not None else None
+                self.close()
+                raise EngineDeadError(f"the engine core exited while starting (exit code {code})")
+        self.close()
+        raise EngineDeadError(f"the engine core was not ready within {_START_TIMEOUT_S:.0f} s")
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ask the core to stop, wait for it (kill it after `timeout_s`), close the sockets."""
+        if self.core_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(Shutdown())
+        if self._process is not None:
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        elif self._thread is not None:
+            self._thread.join(timeout_s)
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        if self._thread is None or not self._thread.is_alive():
+            self.context.term()
+        for path in self._dir.glob("*"):
+            path.unlink(missing_ok=True)
+        self._dir.rmdir() if self._dir.exists() and not any(self._dir.iterdir()) else None

@@ -1,0 +1,72 @@
+"""What the engine core says: the value one `step()` returns and the facts its handshake reports.
+
+Plain frozen dataclasses of torch-free fields, so the same values serve the in-process core and cross
+the process boundary (`engine/serial.py` encodes them with msgspec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.config import SchedulerConfig
+from mmserve.scheduler.output import EngineCoreOutput
+from mmserve.scheduler.scheduler import SchedulerStats
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One executed step: its wall time and what it computed."""
+
+    duration_s: float
+    encoder_duration_s: float  # of duration_s, spent in the vision encoder
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    num_encoder_tokens: int
+    # The rest of the step-time model's features (scheduler/step_time.py), for `mmserve bench profile`.
+    num_seqs: int = 0
+    num_context_tokens: int = 0  # sum over scheduled requests of (cached + new) tokens attended to
+    forward_duration_s: float = 0.0  # of duration_s: decoder forward + logits (batch building included)
+    sampling_duration_s: float = 0.0  # of duration_s: sampling and the host copy of its results
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    """Everything one step produced: per-request outputs (failed requests included, with their error),
+    the scheduler's counters after the step, and the step's record (None when nothing ran)."""
+
+    outputs: tuple[EngineCoreOutput, ...]
+    stats: SchedulerStats
+    step: StepRecord | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the core reports once it is ready: the limits the front end validates against, and the
+    figures of the start-up banner."""
+
+    model: str  # the resolved checkpoint directory
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    device: str
+    dtype: str
+    attention_backend: str
+    block_size: int
+    num_kv_blocks: int
+    kv_cache_bytes: int
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens the KV pool holds at once."""
+        return self.num_kv_tokens / self.max_model_len
+
+    def banner(self) -> str:
+        return (
+            f"engine: {self.dtype} on {self.device} (attention: {self.attention_backend}); KV pool "
+            f"{self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} tokens, "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB; max_model_len {self.max_model_len}: "
+            f"{self.max_concurrency:.2f}x concurrency at full length"
+        )
