@@ -65,7 +65,7 @@ class RunningSnapshot:
 
     request_id: str
     service_class: ServiceClass
-    is_decode: bool  # exactly one token left to compute
+    is_decode: bool  # Request.is_decoding: its prompt is in, one token left to compute
 
 
 def fake_run(plan: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
@@ -144,7 +144,7 @@ def simulate(
             clock.now = pending[0].arrival_time
             continue
         before = [
-            RunningSnapshot(r.request_id, r.service_class, r.num_tokens - r.num_computed_tokens == 1)
+            RunningSnapshot(r.request_id, r.service_class, r.is_decoding)
             for r in sched.running
         ]
         plan = sched.schedule()

@@ -37,18 +37,37 @@ def make_engine(model_dir: Path) -> AsyncEngine:
     )
 
 
+class Faults:
+    """The core's fault injector, armed through utility calls (the core runs in its own process)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def fail_requests(self, patterns: list[str]) -> None:
+        self.engine.call_utility("inject_faults", "fail_requests", patterns)
+
+    def fail_next_step(self) -> None:
+        self.engine.call_utility("inject_faults", "fail_next_step")
+
+    def kill_loop(self) -> None:
+        self.engine.call_utility("inject_faults", "kill_loop")
+
+    def clear(self) -> None:
+        self.engine.call_utility("inject_faults", "clear")
+
+
 def assert_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
     """Zero requests in flight, every KV block free, no encoder-cache entry referenced."""
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        sched = engine._core.scheduler
         idle = (
             engine.num_in_flight == 0
             and stats.num_running == 0
             and stats.num_waiting == 0
             and stats.num_free_blocks == stats.num_total_blocks
-            and sched.encoder_cache.num_referenced_tokens == 0
+            and stats.num_referenced_encoder_tokens == 0
+            and not any(engine.call_utility("leak_report").values())
         )
         if idle:
             return
@@ -96,11 +115,11 @@ def test_one_request_fault_leaves_the_others_identical(engine: AsyncEngine) -> N
         return await asyncio.gather(*jobs)
 
     reference = asyncio.run(batch("ref", victim=False))
-    engine._core.runner.faults.fail_requests(["*-victim"])
+    Faults(engine).fail_requests(["*-victim"])
     try:
         faulty = asyncio.run(batch("run", victim=True))
     finally:
-        engine._core.runner.faults.clear()
+        Faults(engine).clear()
     assert isinstance(faulty[2], RequestFailedError)
     assert "inside the engine" in str(faulty[2])
     assert faulty[:2] + faulty[3:] == reference  # every other request: the same tokens
@@ -118,7 +137,7 @@ def test_failed_batched_step_fails_its_requests_and_the_engine_goes_on(engine: A
         ]
         while engine.stats().num_running < len(PROMPTS):
             await asyncio.sleep(0.01)
-        engine._core.runner.faults.fail_next_step()
+        Faults(engine).fail_next_step()
         return await asyncio.gather(*jobs)
 
     results = asyncio.run(run())
@@ -132,7 +151,7 @@ def test_faults_through_the_api_are_500_and_error_events(engine: AsyncEngine, tm
     settings = ServerSettings(data_dir=tmp_path, served_model_name="tiny")
     app = create_app(engine, settings)
     live = ServerThread(lambda: app)
-    faults = engine._core.runner.faults
+    faults = Faults(engine)
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     try:
         with httpx.Client(base_url=live.url, timeout=60) as http:
@@ -234,7 +253,7 @@ def test_killed_engine_loop_ends_every_stream_health_503_and_exit_1(model_dir: P
         while engine.stats().num_running < 4:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        engine._core.runner.faults.kill_loop()
+        Faults(engine).kill_loop()
         killed = time.monotonic()
         for t in threads:
             t.join(timeout=10)

@@ -459,8 +459,6 @@ def test_afterwards_the_engine_holds_nothing_and_the_server_is_up(
     http: httpx.Client, engine: AsyncEngine, pool: DecodePool
 ) -> None:
     assert http.get("/health").status_code == 200
-    scheduler = engine._core.scheduler
-
     def idle() -> bool:
         stats = engine.stats()
         return (
@@ -470,8 +468,8 @@ def test_afterwards_the_engine_holds_nothing_and_the_server_is_up(
         )
 
     wait_for(idle)
-    assert scheduler.encoder_cache.num_referenced_tokens == 0  # entries left are the LRU cache, unowned
-    assert all(not keys for keys in scheduler.encoder_cache._held.values())
+    report = engine.call_utility("leak_report")  # entries left are the LRU cache, unowned
+    assert not any(report.values()), report
     assert 1 <= len(pool.worker_pids()) <= LIMITS.decode_workers
 
 

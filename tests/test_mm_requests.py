@@ -29,7 +29,7 @@ def assert_clean(llm: LLM) -> None:
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert stats.num_running == stats.num_waiting == 0
-    assert llm.engine.scheduler.encoder_cache.num_referenced_tokens == 0
+    assert llm.stats().num_referenced_encoder_tokens == 0
 
 
 def test_chat_with_real_photo_and_clip(llm: LLM) -> None:

@@ -227,7 +227,7 @@ class Invariants:
             decodes = model.intercept() + sum(
                 model.grant_cost(s.num_computed_tokens, 1)
                 for s in plan.scheduled
-                if s.num_scheduled_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+                if s.is_decode
             )
             one_token = max(model.grant_cost(s.num_computed_tokens, 1) for s in plan.scheduled)
             slack = 2 * config.batch_min_share * limit + 2 * one_token + 1e-9

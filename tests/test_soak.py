@@ -15,7 +15,7 @@ def test_short_soak_leaves_nothing_behind(tiny_model_dir: Callable[[str], Path])
     text = format_report(report)
     assert report.unintended_errors == 0, text
     assert report.num_running_end == 0 and report.kv_blocks_held_end == 0, text
-    assert report.encoder_entries_referenced_end == 0, text
+    assert report.encoder_tokens_referenced_end == 0, text
     # Every kind of ending happened, over every transport and every kind of media.
     assert {"completed", "cancelled", "disconnected"} <= set(report.outcomes), text
     assert {k.split("/")[0] for k in report.by_kind} == {"json", "sse", "ws"}, text

@@ -231,7 +231,7 @@ def test_greedy_tokens_match_the_torch_backend(
     for name in ("torch", "triton"):
         monkeypatch.setenv("MMSERVE_ATTENTION_BACKEND", name)
         llm = LLM(model_dir, device=DEVICE.type, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=16)
-        assert llm.engine.runner.backend.name == name
+        assert llm.engine.info().attention_backend == name
         tokens[name] = [out.token_ids for out in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine.core import StepRecord
+from mmserve.engine.messages import StepRecord
 
 
 def _video_prompt(num_frames: int, size: int, seed: int) -> dict:
@@ -49,12 +49,14 @@ def run_once(
     )
     num_groups = video.mm_inputs[0].num_groups
     engine.add_request(video)
-    engine.step_history.clear()
-    while "video" in engine.scheduler.requests:
-        engine.step()
-    for i in range(num_decodes):
-        engine.abort_request(f"d{i}")
-    steps = list(engine.step_history)
+    steps: list[StepRecord] = []
+    while True:
+        step = engine.step()
+        if step.step is not None:
+            steps.append(step.step)
+        if any(o.request_id == "video" and o.finished for o in step.outputs):
+            break
+    engine.abort_requests([f"d{i}" for i in range(num_decodes)])
     times = [s.duration_s for s in steps]
     return {
         "chunk_encoder": chunk_encoder,

@@ -84,10 +84,12 @@ def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple
         for prompt in prompts:
             request, _ = processor.process(prompt, params, f"p{next(ids)}")
             engine.add_request(request)
-        engine.step_history.clear()
+        records = []
         while engine.has_unfinished_requests():
-            engine.step()
-        for record in engine.step_history:
+            step = engine.step()
+            if step.step is not None:
+                records.append(step.step)
+        for record in records:
             features = StepFeatures(
                 new_tokens=record.num_decode_tokens + record.num_prefill_tokens,
                 context_tokens=record.num_context_tokens,

@@ -66,8 +66,8 @@ class SoakReport:
     error_samples: list[str]
     num_running_end: int | None
     kv_blocks_held_end: int | None
-    encoder_entries_referenced_end: int | None
-    encoder_entries_cached_end: int | None  # unreferenced LRU entries: allowed to stay
+    encoder_tokens_referenced_end: int | None
+    encoder_entries_cached_end: int | None  # entries cached (unreferenced ones may stay)
     rss_start_mib: float | None  # after warm-up
     rss_end_mib: float | None
     rss_growth: float | None  # fraction
@@ -312,9 +312,8 @@ def run_soak(cfg: SoakConfig, model: Path | None = None, progress: bool = True) 
                 stats = engine.stats()
                 running = engine.num_in_flight + stats.num_running + stats.num_waiting
                 kv_held = stats.num_total_blocks - stats.num_free_blocks
-                enc = engine._core.scheduler.encoder_cache
-                enc_refs = sum(1 for key in list(enc._size) if enc.is_referenced(key))
-                enc_cached = enc.num_entries - enc_refs
+                enc_refs = stats.num_referenced_encoder_tokens
+                enc_cached = stats.num_encoder_cache_entries
             else:
                 text = httpx.get(f"{base_url}/metrics", timeout=30).text
                 running = int(
@@ -347,7 +346,7 @@ def run_soak(cfg: SoakConfig, model: Path | None = None, progress: bool = True) 
         unintended_errors=outcomes.get("error", 0),
         error_samples=traffic.errors,
         num_running_end=running, kv_blocks_held_end=kv_held,
-        encoder_entries_referenced_end=enc_refs, encoder_entries_cached_end=enc_cached,
+        encoder_tokens_referenced_end=enc_refs, encoder_entries_cached_end=enc_cached,
         rss_start_mib=start_rss, rss_end_mib=rss_end, rss_growth=growth,
     )  # fmt: skip
     if report.unintended_errors:
@@ -357,7 +356,7 @@ def run_soak(cfg: SoakConfig, model: Path | None = None, progress: bool = True) 
     if kv_held:
         report.failures.append(f"{kv_held} KV blocks still held")
     if enc_refs:
-        report.failures.append(f"{enc_refs} encoder cache entries still referenced")
+        report.failures.append(f"{enc_refs} encoder cache tokens still referenced")
     if growth is not None and growth >= 0.10:
         report.failures.append(f"resident memory grew {growth:.1%} after warm-up")
     report.passed = not report.failures
@@ -380,8 +379,8 @@ def format_report(report: SoakReport) -> str:
         f"  unintended errors: {report.unintended_errors}",
         *(f"    {e}" for e in report.error_samples),
         f"  at the end: {report.num_running_end} requests in the engine, {report.kv_blocks_held_end} KV blocks held, "
-        f"{report.encoder_entries_referenced_end} encoder cache entries referenced "
-        f"({report.encoder_entries_cached_end} unreferenced, cached)",
+        f"{report.encoder_tokens_referenced_end} encoder cache tokens referenced "
+        f"({report.encoder_entries_cached_end} entries cached)",
         f"  resident memory: {mib(report.rss_start_mib)} after warm-up -> {mib(report.rss_end_mib)} at the end"
         + ("" if report.rss_growth is None else f" ({report.rss_growth:+.1%})"),
         "  PASS" if report.passed else "  FAIL: " + "; ".join(report.failures),

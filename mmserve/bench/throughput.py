@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from mmserve.bench.workloads import (
     random_mm_workload,
     random_workload,
 )
+from mmserve.engine.messages import StepRecord
 
 if TYPE_CHECKING:
     from mmserve import LLM, SamplingParams
@@ -54,66 +56,21 @@ class SystemResult:
     elapsed_s_runs: list[float] | None = None
 
 
-class StepTimer:
-    """Times the engine from outside (wrapping instance attributes, no engine edits): step, execute,
-    model forward + logits, sampler, and the runner's own encoder timer. CPU timings: on CUDA the
-    wrappers would need a sync to be exact."""
-
-    def __init__(self, llm: object) -> None:
-        self.t = {"step": 0.0, "execute": 0.0, "forward": 0.0, "sampling": 0.0, "encoder": 0.0}
-        engine = llm.engine  # type: ignore[attr-defined]
-        runner = engine.runner
-        model = runner.model
-        self._restore = [
-            (engine, "step", engine.step),
-            (runner, "execute", runner.execute),
-            (model, "forward", model.forward),
-            (model, "compute_logits", model.compute_logits),
-            (runner, "sampler", runner.sampler),
-        ]
-        engine.step = self._timed(engine.step, "step")
-        model.forward = self._timed(model.forward, "forward")
-        model.compute_logits = self._timed(model.compute_logits, "forward")
-        runner.sampler = self._timed(runner.sampler, "sampling")
-        execute = self._timed(runner.execute, "execute")
-
-        def execute_and_encoder(plan: object) -> object:
-            out = execute(plan)
-            self.t["encoder"] += runner.last_encoder_duration_s
-            return out
-
-        runner.execute = execute_and_encoder
-
-    def _timed(self, fn, key: str):  # type: ignore[no-untyped-def]
-        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.t[key] += time.perf_counter() - start
-
-        return wrapper
-
-    def remove(self) -> None:
-        for obj, name, original in self._restore:
-            if name == "sampler":
-                setattr(obj, name, original)
-            else:
-                vars(obj).pop(name)  # the class's method shows through again
-
-    def split(self, elapsed: float) -> dict:
-        """Fractions of the timed run; `host_overhead` is everything else (scheduling, batch building,
-        host copies, detokenizing, the generate loop)."""
-        t = self.t
-        parts = {"forward": t["forward"], "encoder": t["encoder"], "sampling": t["sampling"]}
-        parts["host_overhead"] = max(0.0, elapsed - sum(parts.values()))
-        split = {k: v / elapsed for k, v in parts.items()}
-        split["inside_runner_other"] = (
-            max(0.0, t["execute"] - t["forward"] - t["encoder"] - t["sampling"]) / elapsed
-        )
-        split["scheduler_and_update"] = max(0.0, t["step"] - t["execute"]) / elapsed
-        split["outside_steps"] = max(0.0, elapsed - t["step"]) / elapsed
-        return split
+def step_time_split(steps: Sequence[StepRecord], elapsed: float) -> dict:
+    """Fractions of a timed run from the step records the engine core emits: decoder forward (batch
+    building and logits included), encoder, sampling; `host_overhead` is the rest — scheduling and
+    update inside steps (`scheduler_and_update`) and everything between steps (`outside_steps`:
+    detokenizing, the generate loop)."""
+    forward = sum(s.forward_duration_s for s in steps)
+    encoder = sum(s.encoder_duration_s for s in steps)
+    sampling = sum(s.sampling_duration_s for s in steps)
+    in_steps = sum(s.duration_s for s in steps)
+    parts = {"forward": forward, "encoder": encoder, "sampling": sampling}
+    parts["host_overhead"] = max(0.0, elapsed - forward - encoder - sampling)
+    split = {k: v / elapsed for k, v in parts.items()}
+    split["scheduler_and_update"] = max(0.0, in_steps - forward - encoder - sampling) / elapsed
+    split["outside_steps"] = max(0.0, elapsed - in_steps) / elapsed
+    return split
 
 
 def dense_token_rate(
@@ -222,7 +179,7 @@ def run_mmserve(
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     _warm_up(llm, workload)
     arrivals = None
-    timer = StepTimer(llm)
+    llm.step_records.clear()
     if workload.arrival_steps is None:
         start = time.perf_counter()
         outputs = llm.generate(_engine_prompts(workload), params)
@@ -231,13 +188,12 @@ def run_mmserve(
     else:
         elapsed, tokens, stamps = _drive_arrivals(llm, workload, params)
         arrivals = _arrival_stats(llm, workload, stamps)
-    timer.remove()
     stats = llm.stats()
     return MmserveRun(
         elapsed_s=elapsed,
         kv_cache_peak_usage=stats.peak_num_used_blocks / stats.num_total_blocks,
         tokens=tokens,
-        step_time_split=timer.split(elapsed),
+        step_time_split=step_time_split(list(llm.step_records), elapsed),
         max_num_batched_tokens=llm.engine.scheduler_config.max_num_batched_tokens,
         arrivals=arrivals,
     )
@@ -265,12 +221,14 @@ def _drive_arrivals(
     pending.reverse()  # popped from the end: earliest arrival last
     tokens: list[list[int]] = [[] for _ in requests]
     stamps: list[list[float]] = [[] for _ in requests]
-    engine.step_history.clear()
     step = idle = 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[-1][0] <= step:
             engine.add_request(pending.pop()[1])
-        outputs = engine.step()
+        core_outputs = engine.step()
+        if core_outputs.step is not None:
+            llm.step_records.append(core_outputs.step)
+        outputs = core_outputs.outputs
         now = time.perf_counter()
         for out in outputs:
             i = order[out.request_id]
@@ -278,7 +236,7 @@ def _drive_arrivals(
             stamps[i].extend([now] * len(out.new_token_ids))
         step += 1
         # Nothing produced, nothing running and nothing left to arrive: nothing ever will (as generate()).
-        idle = 0 if outputs or engine.scheduler.running or pending else idle + 1
+        idle = 0 if outputs or core_outputs.stats.num_running or pending else idle + 1
         if idle > 1:
             raise EngineDeadError("the scheduler admits nothing while no request runs")
     return time.perf_counter() - start, tokens, stamps
@@ -291,7 +249,7 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]]) -> d
     gaps = np.concatenate(
         [np.diff(s) for i, s in enumerate(stamps) if workload.is_text(i) and len(s) > 1] or [np.zeros(0)]
     )  # [num gaps] seconds
-    steps = list(llm.engine.step_history)
+    steps = list(llm.step_records)
     times = [s.duration_s for s in steps]
     return {
         "itl_p50_ms": float(np.percentile(gaps, 50)) * 1e3 if len(gaps) else None,
@@ -517,8 +475,8 @@ def format_report(report: dict) -> str:
             lines.append(
                 f"{r['system']}: time split forward {sp['forward']:.0%}, encoder {sp['encoder']:.0%}, "
                 f"sampling {sp['sampling']:.0%}, host overhead {sp['host_overhead']:.0%} "
-                f"(scheduler+update {sp['scheduler_and_update']:.0%}, runner other "
-                f"{sp['inside_runner_other']:.0%}, outside steps {sp['outside_steps']:.0%}); "
+                f"(scheduler+update {sp['scheduler_and_update']:.0%}, "
+                f"outside steps {sp['outside_steps']:.0%}); "
                 f"KV peak {r['kv_cache_peak_usage']:.1%}"
             )
     for r in report["systems"].values():

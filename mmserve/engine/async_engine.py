@@ -201,7 +201,9 @@ class AsyncEngine:
         async for output in self.generate(prompt, params, request_id, arrival_time=arrival_time):
             yield output
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, stop_reason: str | None = None) -> None:
+        """End a request: the core frees it, and its stream (if still read) gets a final output with
+        finish_reason "abort" (and `stop_reason`, e.g. "shutdown")."""
         with self._lock:
             final = self._outputs.abort_request(request_id)
             entry = self._streams.pop(request_id, None)
@@ -210,9 +212,22 @@ class AsyncEngine:
         with contextlib.suppress(Exception):  # the core may be gone already: nothing to free there
             self._client.abort_requests([request_id])
         if final is not None:
+            final.stop_reason = stop_reason
             now = time.monotonic()
             for stat_logger in self.stat_loggers:
                 stat_logger.on_output(final, now)
+            if entry is not None:
+                loop, stream = entry
+                with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody listens
+                    loop.call_soon_threadsafe(_deliver, [(stream, _snapshot(final)), (stream, _STREAM_END)])
+
+    def abort_all(self, stop_reason: str) -> int:
+        """Abort every request in flight (the end of a drain); returns how many."""
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id, stop_reason)
+        return len(request_ids)
 
     def call_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
         """Call an engine-core utility (`EngineCore.UTILITIES`) and wait for its result, from any thread

@@ -41,7 +41,7 @@ __all__ = ["EngineCore", "EngineCoreOutputs", "StepRecord"]
 
 class EngineCore:
     # Methods a front end may call by name (`call_utility`), in or out of process.
-    UTILITIES = frozenset({"stats", "reset_prefix_cache", "inject_faults", "info"})
+    UTILITIES = frozenset({"stats", "reset_prefix_cache", "inject_faults", "info", "leak_report"})
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -100,7 +100,8 @@ class EngineCore:
             self._scheduler.finish_request(request_id, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self._scheduler.has_unfinished_requests()
+        """Requests to serve, or finished ones the workers have not been told of (one more step)."""
+        return self._scheduler.has_unfinished_requests() or self._scheduler.has_unsent_diffs()
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
@@ -152,6 +153,20 @@ class EngineCore:
 
     def inject_faults(self, action: str, request_ids: Iterable[str] = ()) -> None:
         self.executor.inject_faults(action, tuple(request_ids))
+
+    def leak_report(self) -> dict[str, int]:
+        """What is still held across the scheduler and the workers; every figure is 0 when idle."""
+        stats = self._scheduler.stats()
+        runner_requests, encoder_keys = self.executor.held_state()
+        not_cached, referenced = self._scheduler.encoder_entries_unaccounted(encoder_keys)
+        return {
+            "requests": len(self._scheduler.request_ids()),
+            "kv_blocks_held": stats.num_total_blocks - stats.num_free_blocks,
+            "encoder_tokens_referenced": stats.num_referenced_encoder_tokens,
+            "runner_requests": runner_requests,
+            "runner_encoder_entries_not_cached": not_cached,
+            "runner_encoder_entries_referenced": referenced,
+        }
 
     def stats(self) -> SchedulerStats:
         return self._scheduler.stats()

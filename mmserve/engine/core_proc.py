@@ -233,13 +233,15 @@ def run_engine_core(
             return
         server = CoreServer(core, context, socket)
         parent = multiprocessing.parent_process()
-        server.serve(parent.sentinel if parent is not None and not in_process else None)
-        for client in server.clients.values():
-            client.socket.close(linger=1000)
+        try:
+            server.serve(parent.sentinel if parent is not None and not in_process else None)
+        finally:
+            for client in server.clients.values():
+                client.socket.close(linger=1000)
     finally:
         socket.close(linger=0)
         if own_context:
-            context.term()
+            context.destroy(linger=1000)  # never blocks on a socket left open by an escape
 
 
 def _refuse_hellos(context: zmq.Context, socket: zmq.Socket, message: str, wait_s: float = 5.0) -> None:

@@ -28,6 +28,10 @@ class Executor(Protocol):
     def attention_backend(self) -> str:
         ...
 
+    def held_state(self) -> tuple[int, list[tuple[str, int]]]:
+        """(requests the workers keep state for, their encoder-cache keys): for leak checks."""
+        ...
+
 
 class InProcessExecutor:
     def __init__(self, runner: ModelRunner) -> None:
@@ -54,3 +58,6 @@ class InProcessExecutor:
 
     def attention_backend(self) -> str:
         return self._runner.backend.name
+
+    def held_state(self) -> tuple[int, list[tuple[str, int]]]:
+        return self._runner.held_state()

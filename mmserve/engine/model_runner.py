@@ -98,6 +98,10 @@ class ModelRunner:
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
 
+    def held_state(self) -> tuple[int, list[tuple[str, int]]]:
+        """(requests whose plan state is kept, the encoder cache's keys)."""
+        return len(self.requests), list(self.encoder_cache)
+
     def _build_rows(self, views: list[StepView]) -> tuple[list[StepView], list[_Rows], list[FailedRequest]]:
         """Each request's rows, built alone so that an error is that request's. A request whose prefill
         shares a block that a failed request was to write in this step fails with it (it would read KV

@@ -47,6 +47,7 @@ class SchedulerStats:
     encoder_cache_hits: int  # embedding tokens served from the encoder cache
     num_encoder_tokens_computed: int  # embedding tokens the encoder computed
     num_referenced_encoder_tokens: int = 0  # encoder-cache tokens some live request still needs
+    num_encoder_cache_entries: int = 0  # (mm_hash, group) entries cached, referenced or not
     # Per service class (every policy counts them; only `slo` acts on classes).
     num_preemptions_interactive: int = 0
     num_preemptions_batch: int = 0
@@ -185,6 +186,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_unsent_diffs(self) -> bool:
+        """Requests finished or preempted since the last plan: the next plan tells the runner."""
+        return bool(self._finished_ids or self._preempted_ids)
+
+    def encoder_entries_unaccounted(self, keys: Iterable[EncoderKey]) -> tuple[int, int]:
+        """Of the runner's encoder entries `keys`: (not in the encoder cache, still referenced). Both
+        are 0 once every request has finished."""
+        keys = list(keys)
+        not_cached = sum(1 for k in keys if not self.encoder_cache.is_cached(k))
+        referenced = sum(1 for k in keys if self.encoder_cache.is_cached(k) and self.encoder_cache.is_referenced(k))
+        return not_cached, referenced
+
     def record_step_time(self, features: StepFeatures, duration_s: float) -> None:
         """Engine feedback: the measured wall time of the step whose plan has these features."""
         self.step_time.observe(features, duration_s)
@@ -203,6 +216,7 @@ class Scheduler:
             encoder_cache_hits=self.encoder_cache.num_hit_tokens,
             num_encoder_tokens_computed=self.encoder_cache.num_computed_tokens,
             num_referenced_encoder_tokens=self.encoder_cache.num_referenced_tokens,
+            num_encoder_cache_entries=self.encoder_cache.num_entries,
             num_preemptions_interactive=self.num_preemptions_by_class[ServiceClass.INTERACTIVE],
             num_preemptions_batch=self.num_preemptions_by_class[ServiceClass.BATCH],
             num_throttled_batch_decodes=slo.throttled_batch_decodes if slo is not None else 0,
