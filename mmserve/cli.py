@@ -89,6 +89,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
+        "--no-engine-process",
+        action="store_true",
+        help="run the engine core on a thread of the server process (debugging) instead of its own process",
+    )
+    serve.add_argument(
         "--api-key",
         default=os.environ.get("MMSERVE_API_KEY"),
         help="required as a Bearer token (env MMSERVE_API_KEY)",
@@ -253,6 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         log_level=args.log_level,
         media_limits=media_limits,
+        engine_process=not args.no_engine_process,
     )
 
 

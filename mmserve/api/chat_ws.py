@@ -154,6 +154,8 @@ class _Session:
                         await self.send({"type": "response.output_text.delta", "response_id": response_id,
                                          "delta": out.new_text})  # fmt: skip
             status = _STATUS.get(out.finish_reason if out else None, "failed")
+            if out is not None and out.finish_reason == "abort" and out.stop_reason == "shutdown":
+                status = "incomplete"  # the server ended it while shutting down, not the client
             await self._done(response_id, status, text, out)
         except asyncio.CancelledError:  # response.cancel, or the socket closed (then nothing is sent)
             await self._done(response_id, "cancelled", text, out)
@@ -178,6 +180,11 @@ class _Session:
             usage=convert.usage(out) if out else None,
             metrics=convert.response_metrics(out) if out else None,
             error=err.info() if err else None,
+            incomplete_details=(
+                {"reason": "server_shutdown"}
+                if out is not None and out.finish_reason == "abort" and out.stop_reason == "shutdown"
+                else None
+            ),
             service_tier=convert.service_tier(None, out) if out else None,  # "flex": served as batch
         )  # fmt: skip
         await self.send(response_event("response.done", response))

@@ -273,6 +273,7 @@ class ResponseObject(BaseModel):
     usage: Usage | None = None
     metrics: ResponseMetrics | None = None
     error: ErrorInfo | None = None  # set when status is "failed"
+    incomplete_details: dict[str, str] | None = None  # status "incomplete" by the server: {"reason": ...}
     service_tier: ServiceTier | None = None  # on response.done: the tier it was served in
 
 

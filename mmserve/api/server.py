@@ -1,14 +1,19 @@
-"""`mmserve serve`: build the engine and the app, print where they listen, run uvicorn until a signal.
+"""`mmserve serve`: bind the port, start the engine (its core in its own process), print where it
+listens and what it holds, run uvicorn until a signal.
 
 SIGTERM / SIGINT drain (`DrainingServer`): new requests get 503 at once, running ones finish for up to
-`shutdown_timeout_s`, then uvicorn stops (the lifespan exit aborts what is left) and the exit status
-is 0. If the engine loop dies the server stops at once with exit status 1, so a supervisor restarts it.
+`shutdown_timeout_s`; then every stream still open is ended with a final event (SSE: a last chunk with
+`finish_reason` "abort" and [DONE]; WebSocket: `response.done` with status "incomplete", reason
+"server_shutdown"), and the server stops with exit status 0. If the engine dies the server stops at once
+with exit status 1, so a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,22 +27,23 @@ from mmserve.api.settings import ServerSettings
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
 from mmserve.engine.async_engine import AsyncEngine
+from mmserve.errors import MMServeError
 
 logger = logging.getLogger(__name__)
 
 
-_DEATH_FLUSH_S = 0.5  # after the engine dies, time for handlers to send their streams' error events
+_FINAL_EVENTS_S = 0.5  # after streams are ended (engine death, drain timeout): time to send their events
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server with a drain on SIGTERM/SIGINT and an exit when the engine loop dies."""
+    """uvicorn's server with a drain on SIGTERM/SIGINT and an exit when the engine dies."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine, self.drain_timeout_s = engine, drain_timeout_s
         self.exit_code = 0
         self._drain_deadline: float | None = None
-        self._death_deadline: float | None = None
+        self._exit_at: float | None = None  # streams have been sent their final events; stop then
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_deadline is not None or sig not in (signal.SIGTERM, signal.SIGINT):
@@ -50,17 +56,21 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self.drain_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
+        now = time.monotonic()
         if self.engine.dead.is_set() and self.exit_code == 0:
-            logger.critical("the engine loop died: stopping the server (exit status 1)")
+            logger.critical("the engine died: stopping the server (exit status 1)")
             self.exit_code = 1
-            # Not at once: the streams were failed on the engine thread, and each handler still has to
+            # Not at once: the streams were failed on the output thread, and each handler still has to
             # send its error event; closing now can beat it (a WebSocket then sees only code 1012).
-            self._death_deadline = time.monotonic() + _DEATH_FLUSH_S
-        if self._death_deadline is not None and time.monotonic() >= self._death_deadline:
-            self.should_exit = True
-        if self._drain_deadline is not None and (
-            self.engine.num_in_flight == 0 or time.monotonic() >= self._drain_deadline
-        ):
+            self._exit_at = now + _FINAL_EVENTS_S
+        if self._drain_deadline is not None and self._exit_at is None:
+            if self.engine.num_in_flight == 0:
+                self._exit_at = now
+            elif now >= self._drain_deadline:
+                n = self.engine.abort_all("shutdown")  # each stream gets its final event
+                logger.warning("drain timeout: ended %d requests still in flight", n)
+                self._exit_at = now + _FINAL_EVENTS_S
+        if self._exit_at is not None and now >= self._exit_at:
             self.should_exit = True
         return await super().on_tick(counter)
 
@@ -82,6 +92,20 @@ def uvicorn_config(app: Any, settings: ServerSettings, **kwargs: Any) -> uvicorn
     )
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a busy port is reported at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise MMServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(
     engine_args: EngineArgs,
     settings: ServerSettings,
@@ -91,29 +115,40 @@ def run_server(
     max_waiting_requests: int = 1024,
     log_level: str = "info",
     media_limits: MediaLimits | None = None,
+    engine_process: bool = True,
 ) -> int:
-    """Serves until a signal (then returns 0 after draining) or until the engine loop dies (returns 1)."""
-    engine = AsyncEngine(engine_args, max_waiting_requests=max_waiting_requests, media_limits=media_limits)
+    """Serves until a signal (then returns 0 after draining) or until the engine dies (returns 1).
+    A busy port or a bad model directory is one line on stderr and exit status 2, before any load."""
+    try:
+        sock = bind_socket(host, port)
+        engine = AsyncEngine(
+            engine_args,
+            max_waiting_requests=max_waiting_requests,
+            media_limits=media_limits,
+            engine_process=engine_process,
+        )
+    except MMServeError as exc:
+        print(f"mmserve: {exc}", file=sys.stderr, flush=True)
+        return 2
     app = create_app(engine, settings, own_engine=True)
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
     auth = "API key required (Authorization: Bearer ...)" if settings.api_key else "no API key"
+    where = f"engine core pid {engine.engine_process_pid}" if engine_process else "engine core in-process"
     print(
         f"mmserve: serving {engine.model_name} as {app.state.mm.model_name!r} at {base}  ({auth})\n"
         f"  OpenAI base_url: {base}/v1    WebSocket chat: ws://{shown}:{port}/v1/chat/ws    "
-        f"metrics: {base}/metrics\n  uploads stored in {settings.data_dir}",
+        f"metrics: {base}/metrics\n  {engine.info.banner()}\n  {where}; uploads stored in {settings.data_dir}",
         flush=True,
     )
     config = uvicorn_config(
         app,
         settings,
-        host=host,
-        port=port,
         log_level=log_level,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 1,
     )
     server = DrainingServer(config, engine, settings.shutdown_timeout_s)
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_code
 
 
