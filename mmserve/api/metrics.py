@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mmserve.engine.messages import StepRecord
+from mmserve.engine.messages import CoreLoopStats, EngineCoreOutputs
 from mmserve.engine.output_processor import RequestMetrics, RequestOutput
 from mmserve.request import ServiceClass
 from mmserve.scheduler.scheduler import SchedulerStats
@@ -24,8 +24,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], SchedulerStats], model: str) -> None:
-        self.stats, self.model = stats, model
+    def __init__(
+        self, stats: Callable[[], SchedulerStats], model: str, loop: Callable[[], CoreLoopStats | None]
+    ) -> None:
+        self.stats, self.model, self.loop = stats, model, loop
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -64,6 +66,16 @@ class _StatsCollector(Collector):
                       "interactive latency (slo policy).", s.num_throttled_batch_decodes)  # fmt: skip
         yield counter("downgraded_requests", "Interactive requests admission control ran as batch "
                       "(slo policy).", s.num_downgraded_requests)  # fmt: skip
+        loop = self.loop()
+        if loop is not None:  # the engine core runs in its own process
+            parts = CounterMetricFamily(P + "engine_core_loop_seconds", "Wall time of the engine-core "
+                                        "process's loop: step (the model and the scheduler), io (messages "
+                                        "in and out), idle.", labels=[*labels, "part"])  # fmt: skip
+            for part, value in (("step", loop.step_s), ("io", loop.io_s), ("idle", loop.idle_s)):
+                parts.add_metric([self.model, part], value)
+            yield parts
+            yield counter("engine_core_steps", "Steps the engine-core process published.", loop.num_steps)
+            yield counter("engine_core_bytes_out", "Bytes the engine core sent to the front ends.", loop.bytes_out)
 
 
 class MetricsExporter:
@@ -115,7 +127,8 @@ class MetricsExporter:
                                    registry=r)  # fmt: skip
         self.uploads = Counter(P + "media_uploads", "Upload attempts by outcome.", [*lbl, "media_type", "status"],
                                registry=r)  # fmt: skip
-        self.registry.register(_StatsCollector(stats, model))
+        self._loop: CoreLoopStats | None = None  # the engine-core process's loop times, as last reported
+        self.registry.register(_StatsCollector(stats, model, lambda: self._loop))
         self._last_token_time: dict[str, float] = {}  # request id -> time of its previous update
         self._lock = threading.Lock()
 
@@ -174,9 +187,12 @@ class MetricsExporter:
         if good:
             self.good_requests.labels(self.model, name).inc()
 
-    def on_step(self, stats: SchedulerStats, step: StepRecord | None) -> None:
+    def on_step(self, outputs: EngineCoreOutputs) -> None:
+        step = outputs.step
         if step is not None and step.encoder_duration_s > 0:
             self.encoder_seconds.labels(self.model).inc(step.encoder_duration_s)
+        if outputs.loop is not None:
+            self._loop = outputs.loop
 
     # -- API side --------------------------------------------------------------------------------------
     def count_media(self, counts: dict[str, int]) -> None:

@@ -696,6 +696,7 @@ def bench_serve(
             for index, transport in enumerate(transports):
                 if index and workload == "prefix":
                     requests = requests_for(index)
+                loop_before = _core_loop(base_url, api_key)
                 timings, duration, cache = asyncio.run(
                     run_requests(
                         base_url,
@@ -715,6 +716,9 @@ def bench_serve(
                 longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
                 key = transport if system == "mmserve" else f"{transport}/{system}"
                 results[key] = _figures(workload, timings, duration, cache, goodput_slos, requests)
+                loop_after = _core_loop(base_url, api_key)
+                if loop_before is not None and loop_after is not None:
+                    results[key]["engine_core_loop"] = _loop_figures(loop_before, loop_after)
                 raw[key] = [
                     {
                         "ttft_s": t.ttft_s,
@@ -826,6 +830,44 @@ def _chunk_comparison(results: dict[str, dict], transport: str) -> dict | None:
     }
 
 
+def _core_loop(base_url: str, api_key: str | None) -> dict[str, float] | None:
+    """The engine-core process's loop counters from /metrics (None: the core runs in-process)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for part in ("step", "io", "idle"):
+            if line.startswith("mmserve:engine_core_loop_seconds_total{") and f'part="{part}"' in line:
+                found[part] = float(line.rsplit(" ", 1)[1])
+        for name in ("engine_core_steps", "engine_core_bytes_out"):
+            if line.startswith(f"mmserve:{name}_total{{"):
+                found[name] = float(line.rsplit(" ", 1)[1])
+    return found if len(found) == 5 else None
+
+
+def _loop_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Over one timed run: the share of the core loop's wall time inside steps, and what crossing the
+    boundary cost per step (the core's io: decoding messages in, encoding and sending outputs)."""
+    d = {k: after[k] - before[k] for k in after}
+    wall = d["step"] + d["io"] + d["idle"]
+    steps = d["engine_core_steps"]
+    return {
+        "step_share": d["step"] / wall if wall else None,
+        "io_share": d["io"] / wall if wall else None,
+        "idle_share": d["idle"] / wall if wall else None,
+        "steps": steps,
+        "step_ms": 1e3 * d["step"] / steps if steps else None,
+        "io_us_per_step": 1e6 * d["io"] / steps if steps else None,
+        "bytes_out_per_step": d["engine_core_bytes_out"] / steps if steps else None,
+        "io_over_step_time": d["io"] / d["step"] if d["step"] else None,
+    }
+
+
 def format_report(report: dict) -> str:
     from mmserve.bench.metrics import format_metrics
 
@@ -847,6 +889,14 @@ def format_report(report: dict) -> str:
             parts.append(
                 f"{'Output / total tok/s over offline:':<40}{metrics['output_throughput_over_offline']:>12.3f}"
                 f" / {metrics['total_token_throughput_over_offline']:.3f}"
+            )
+        loop = metrics.get("engine_core_loop")
+        if loop:
+            parts.append(
+                f"{'Engine-core loop: step / io / idle:':<40}{_num(loop['step_share'], 3):>12} / "
+                f"{_num(loop['io_share'], 3)} / {_num(loop['idle_share'], 3)}\n"
+                f"{'Boundary per step: us / bytes out:':<40}{_num(loop['io_us_per_step'], 1):>12} / "
+                f"{_num(loop['bytes_out_per_step'], 0)} (io / step time {_num(loop['io_over_step_time'], 4)})"
             )
         if metrics.get("errors"):
             parts.append("errors: " + "; ".join(metrics["errors"]))

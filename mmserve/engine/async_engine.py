@@ -32,7 +32,7 @@ from mmserve.encoders.media import MediaLimits
 from mmserve.engine.core_client import EngineCoreClient
 from mmserve.engine.faults import RequestFailedError
 from mmserve.engine.loader import load_frontend, resolve_checkpoint
-from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
+from mmserve.engine.messages import EngineCoreOutputs, EngineInfo
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, PromptType
 from mmserve.engine.wire import RequestRejected, StepOutputs, UtilityResult
@@ -65,7 +65,9 @@ class StatLogger(Protocol):
 
     def on_output(self, output: RequestOutput, now: float) -> None: ...
 
-    def on_step(self, stats: SchedulerStats, step: StepRecord | None) -> None: ...
+    def on_step(self, outputs: EngineCoreOutputs) -> None:
+        """Every step's outputs, after `on_output` for each request (stats, step record, loop times)."""
+        ...
 
 
 _STREAM_END = object()  # sentinel after a stream's final output
@@ -357,7 +359,7 @@ class AsyncEngine:
                 stat_logger.on_output(out, now)
             self._emit(out.request_id, _snapshot(out), out.finished)
         for stat_logger in self.stat_loggers:
-            stat_logger.on_step(step.stats, step.step)
+            stat_logger.on_step(step)
 
     def _on_rejected(self, message: RequestRejected) -> None:
         with self._lock:

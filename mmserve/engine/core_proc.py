@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineArgs
-from mmserve.engine.messages import EngineCoreOutputs
+from mmserve.engine.messages import CoreLoopStats, EngineCoreOutputs
 from mmserve.engine.serial import Decoder, Encoder
 from mmserve.engine.wire import (
     AbortRequests,
@@ -74,14 +74,22 @@ class CoreServer:
         self.poller.register(self.input, zmq.POLLIN)
         self._next_liveness = 0.0
         self.info = core.info()
+        # CoreLoopStats, cumulative: published with every step's outputs.
+        self.step_s = self.io_s = self.idle_s = 0.0
+        self.num_steps = self.bytes_out = 0
 
     def serve(self, parent_sentinel: int | None = None) -> None:
         if parent_sentinel is not None:
             self.poller.register(parent_sentinel, zmq.POLLIN)
         self._parent_sentinel = parent_sentinel
+        clock = time.perf_counter
         while True:
             busy = self.core.has_unfinished_requests()
+            t0 = clock()
             events = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
+            t1 = clock()
+            if not busy:
+                self.idle_s += t1 - t0
             if parent_sentinel is not None and parent_sentinel in events:
                 logger.warning("the engine core's parent process died: exiting")
                 return
@@ -91,8 +99,14 @@ class CoreServer:
             if now >= self._next_liveness:
                 self._next_liveness = now + _LIVENESS_EVERY_S
                 self._reap_dead_clients()
+            t2 = clock()
+            self.io_s += t2 - t1
             if self.core.has_unfinished_requests():
-                self._publish(self.core.step())
+                step = self.core.step()
+                t3 = clock()
+                self.step_s += t3 - t2
+                self._publish(step)
+                self.io_s += clock() - t3
 
     # -- inputs ---------------------------------------------------------------------------------------
     def _drain_inputs(self) -> bool:
@@ -162,12 +176,16 @@ class CoreServer:
             if out.finished:
                 finished.append(out.request_id)
         self._forget(finished)
+        self.num_steps += 1
+        loop = CoreLoopStats(self.step_s, self.io_s, self.idle_s, self.num_steps, self.bytes_out)
         for index, outputs in by_client.items():
-            message = StepOutputs(EngineCoreOutputs(tuple(outputs), step.stats, step.step))
+            message = StepOutputs(EngineCoreOutputs(tuple(outputs), step.stats, step.step, loop))
             self._send(self.clients[index], message)
 
     def _send(self, client: _Client, message: Any) -> None:
-        client.socket.send_multipart(self.encoder.encode(message), copy=False)
+        frames = self.encoder.encode(message)
+        self.bytes_out += sum(len(f) for f in frames)
+        client.socket.send_multipart(frames, copy=False)
 
     def _forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -30,13 +30,30 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class CoreLoopStats:
+    """Where the engine-core process's loop has spent its wall time since it started (cumulative).
+
+    step_s: inside `EngineCore.step()` (the model and the scheduler); io_s: decoding and handling the
+    front ends' messages and encoding and sending outputs; idle_s: waiting with nothing to do.
+    """
+
+    step_s: float = 0.0
+    io_s: float = 0.0
+    idle_s: float = 0.0
+    num_steps: int = 0  # steps whose outputs were published
+    bytes_out: int = 0  # encoded bytes of every message sent to the front ends (frames included)
+
+
+@dataclass(frozen=True)
 class EngineCoreOutputs:
     """Everything one step produced: per-request outputs (failed requests included, with their error),
-    the scheduler's counters after the step, and the step's record (None when nothing ran)."""
+    the scheduler's counters after the step, and the step's record (None when nothing ran). `loop`: the
+    core process's loop times so far (None for an in-process core driven by its caller)."""
 
     outputs: tuple[EngineCoreOutput, ...]
     stats: SchedulerStats
     step: StepRecord | None = None
+    loop: CoreLoopStats | None = None
 
 
 @dataclass(frozen=True)
