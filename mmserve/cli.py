@@ -89,6 +89,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port and one engine core (media decoding and JSON scale with cores)",
+    )
+    serve.add_argument(
         "--no-engine-process",
         action="store_true",
         help="run the engine core on a thread of the server process (debugging) instead of its own process",
@@ -212,7 +218,7 @@ def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mmserve.api.server import run_server
+    from mmserve.api.server import ServeOptions, run_server
     from mmserve.api.settings import ServerSettings
     from mmserve.config import EngineArgs
     from mmserve.encoders.media import MediaLimits
@@ -250,7 +256,10 @@ def _serve(args: argparse.Namespace) -> int:
         cors_allow_origins=tuple(o.strip() for o in args.cors_allow_origins.split(",") if o.strip()),
         shutdown_timeout_s=args.shutdown_timeout_s,
     )
-    return run_server(
+    if args.api_server_count > 1 and args.no_engine_process:
+        print("mmserve: --api-server-count needs the engine core in its own process", file=sys.stderr)
+        return 2
+    options = ServeOptions(
         engine_args,
         settings,
         host=args.host,
@@ -260,6 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
         media_limits=media_limits,
         engine_process=not args.no_engine_process,
     )
+    return run_server(options, api_server_count=args.api_server_count)
 
 
 def _model_or_fallback(model: str) -> str:

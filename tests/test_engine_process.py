@@ -368,3 +368,68 @@ def test_utility_calls_and_messages_stay_typed(model_dir: Path) -> None:
         assert not any(engine.call_utility("leak_report").values())
     finally:
         engine.close()
+
+
+def test_two_api_servers_share_the_port_and_the_core_and_metrics_sum_over_both(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    proc = serve(str(model_dir), port, tmp_path, "--api-server-count", "2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children()
+        spawned = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(spawned) == 3  # the engine core and two API servers
+        body = {"model": "x", "messages": HELLO_MSG, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+        def one(_: int) -> str:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                return http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(one, range(16)))
+        assert len(set(texts)) == 1  # greedy: the same answer whichever API process served it
+        for _ in range(6):  # whichever process answers the scrape, the counters cover both
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            tokens = next(line for line in text.splitlines() if line.startswith("mmserve:generation_tokens_total"))
+            assert float(tokens.rsplit(" ", 1)[1]) == 16 * 8
+        # Kill one API process: the core frees its requests, the other API process goes on serving.
+        api = [c for c in spawned if any(k.laddr.port == port for k in c.net_connections(kind="tcp"))]
+        assert len(api) == 2  # both API processes listen on the one socket; the core does not
+        api[0].kill()
+        api[0].wait(10)
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(one, range(8))) == texts[:8]
+        def idle() -> bool:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            values = {
+                name: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                for name in ("num_requests_running", "kv_cache_usage_perc")
+                if line.startswith(f"mmserve:{name}{{")
+            }
+            return values == {"num_requests_running": 0.0, "kv_cache_usage_perc": 0.0}
+
+        deadline = time.monotonic() + 10
+        while not idle():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 1  # an API server died under it: a supervisor should know
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in spawned)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

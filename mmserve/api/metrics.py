@@ -6,10 +6,11 @@ TPOT histograms, SLO attainment per target kind, good requests (goodput), preemp
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -128,7 +129,14 @@ class MetricsExporter:
         self.uploads = Counter(P + "media_uploads", "Upload attempts by outcome.", [*lbl, "media_type", "status"],
                                registry=r)  # fmt: skip
         self._loop: CoreLoopStats | None = None  # the engine-core process's loop times, as last reported
-        self.registry.register(_StatsCollector(stats, model, lambda: self._loop))
+        # The scheduler's figures come from the one engine core, so every API process reports them whole;
+        # the request metrics are per process and, with several API processes (prometheus-client's
+        # multiprocess mode: PROMETHEUS_MULTIPROC_DIR), summed over all of them at scrape time.
+        self._scrape = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self._scrape = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._scrape)
+        self._scrape.register(_StatsCollector(stats, model, lambda: self._loop))
         self._last_token_time: dict[str, float] = {}  # request id -> time of its previous update
         self._lock = threading.Lock()
 
@@ -204,4 +212,4 @@ class MetricsExporter:
         self.uploads.labels(self.model, kind, status).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scrape)

@@ -10,13 +10,19 @@ with exit status 1, so a supervisor restarts it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -27,6 +33,8 @@ from mmserve.api.settings import ServerSettings
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
 from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.core_client import CoreHandle, start_engine_core
+from mmserve.engine.loader import resolve_checkpoint
 from mmserve.errors import MMServeError
 
 logger = logging.getLogger(__name__)
@@ -106,50 +114,137 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(
-    engine_args: EngineArgs,
-    settings: ServerSettings,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    max_waiting_requests: int = 1024,
-    log_level: str = "info",
-    media_limits: MediaLimits | None = None,
-    engine_process: bool = True,
-) -> int:
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `mmserve serve` passes to each API server process."""
+
+    engine_args: EngineArgs
+    settings: ServerSettings
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_waiting_requests: int = 1024
+    log_level: str = "info"
+    media_limits: MediaLimits | None = None
+    engine_process: bool = True
+
+
+def run_server(options: ServeOptions, api_server_count: int = 1) -> int:
     """Serves until a signal (then returns 0 after draining) or until the engine dies (returns 1).
-    A busy port or a bad model directory is one line on stderr and exit status 2, before any load."""
+    A busy port or a bad model directory is one line on stderr and exit status 2, before any load.
+
+    With `api_server_count` > 1, this process only launches: one engine-core process and that many API
+    server processes, which share the listening socket (each accepts on it) and the core."""
     try:
-        sock = bind_socket(host, port)
+        sock = bind_socket(options.host, options.port)
+        args = resolve_checkpoint(options.engine_args)
+    except MMServeError as exc:
+        print(f"mmserve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    options = dataclasses.replace(options, engine_args=args)
+    if api_server_count <= 1:
+        return _serve_api(options, sock)
+    return _launch(options, sock, api_server_count)
+
+
+def _serve_api(options: ServeOptions, sock: socket.socket, core: CoreHandle | None = None, index: int = 0) -> int:
+    """One API server process: its front end (own core, or front end `index` of a shared `core`) and uvicorn."""
+    settings = options.settings
+    try:
         engine = AsyncEngine(
-            engine_args,
-            max_waiting_requests=max_waiting_requests,
-            media_limits=media_limits,
-            engine_process=engine_process,
+            options.engine_args,
+            max_waiting_requests=options.max_waiting_requests,
+            media_limits=options.media_limits,
+            engine_process=options.engine_process,
+            core=core,
+            client_index=index,
         )
     except MMServeError as exc:
         print(f"mmserve: {exc}", file=sys.stderr, flush=True)
         return 2
     app = create_app(engine, settings, own_engine=True)
-    shown = f"[{host}]" if ":" in host else host
-    base = f"http://{shown}:{port}"
-    auth = "API key required (Authorization: Bearer ...)" if settings.api_key else "no API key"
-    where = f"engine core pid {engine.engine_process_pid}" if engine_process else "engine core in-process"
-    print(
-        f"mmserve: serving {engine.model_name} as {app.state.mm.model_name!r} at {base}  ({auth})\n"
-        f"  OpenAI base_url: {base}/v1    WebSocket chat: ws://{shown}:{port}/v1/chat/ws    "
-        f"metrics: {base}/metrics\n  {engine.info.banner()}\n  {where}; uploads stored in {settings.data_dir}",
-        flush=True,
-    )
+    if index == 0:
+        host = options.host
+        shown = f"[{host}]" if ":" in host else host
+        base = f"http://{shown}:{options.port}"
+        auth = "API key required (Authorization: Bearer ...)" if settings.api_key else "no API key"
+        if not options.engine_process:
+            where = "engine core in-process"
+        else:
+            where = f"engine core pid {engine.engine_process_pid}"
+        print(
+            f"mmserve: serving {engine.model_name} as {app.state.mm.model_name!r} at {base}  ({auth})\n"
+            f"  OpenAI base_url: {base}/v1    WebSocket chat: ws://{shown}:{options.port}/v1/chat/ws    "
+            f"metrics: {base}/metrics\n  {engine.info.banner()}\n  {where}; uploads stored in {settings.data_dir}",
+            flush=True,
+        )
     config = uvicorn_config(
         app,
         settings,
-        log_level=log_level,
+        log_level=options.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 1,
     )
     server = DrainingServer(config, engine, settings.shutdown_timeout_s)
     server.run(sockets=[sock])
     return server.exit_code
+
+
+def _api_server_main(options: ServeOptions, sock: socket.socket, core: CoreHandle, index: int) -> None:
+    """A spawned API server process (one of `--api-server-count`). Ctrl-C reaches the whole process group:
+    the launcher forwards SIGTERM instead, so each API server drains once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(_serve_api(options, sock, core, index))
+
+
+def _launch(options: ServeOptions, sock: socket.socket, count: int) -> int:
+    """The `--api-server-count` launcher: a shared engine core, `count` API processes on one socket,
+    request metrics summed across them (prometheus-client's multiprocess mode). SIGTERM / SIGINT: each API
+    server drains, then the core stops. Exit status: 1 if the core or any API server failed, else 0."""
+    metrics_dir = tempfile.mkdtemp(prefix="mmserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by each API process at import
+    core_process, core = start_engine_core(options.engine_args)
+    ctx = multiprocessing.get_context("spawn")
+    servers = [
+        ctx.Process(target=_api_server_main, args=(options, sock, core, i), name=f"mmserve-api-{i}")
+        for i in range(count)
+    ]
+    for process in servers:
+        process.start()
+    sock.close()  # the API processes hold it now
+    stopping = threading.Event()
+
+    def forward(sig: int, frame: FrameType | None) -> None:
+        stopping.set()
+        for process in servers:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    failed = False
+    try:
+        while any(p.is_alive() for p in servers):
+            if not core_process.is_alive() and not stopping.is_set():
+                logger.critical("the engine core died: stopping the API servers")
+                failed = True
+                forward(signal.SIGTERM, None)
+            for process in servers:
+                process.join(0.2)
+                if not process.is_alive() and process.exitcode not in (0, None) and not stopping.is_set():
+                    # The core aborts a dead front end's requests; the other API servers go on.
+                    logger.error("API server %s exited with status %s", process.name, process.exitcode)
+                    failed = True
+    finally:
+        for process in servers:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+        failed |= any(p.exitcode not in (0, None) for p in servers) or not core_process.is_alive()
+        core_process.terminate()
+        core_process.join(10)
+        if core_process.is_alive():
+            core_process.kill()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 1 if failed else 0
 
 
 class ServerThread:

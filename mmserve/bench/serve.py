@@ -717,8 +717,8 @@ def bench_serve(
                 key = transport if system == "mmserve" else f"{transport}/{system}"
                 results[key] = _figures(workload, timings, duration, cache, goodput_slos, requests)
                 loop_after = _core_loop(base_url, api_key)
-                if loop_before is not None and loop_after is not None:
-                    results[key]["engine_core_loop"] = _loop_figures(loop_before, loop_after)
+                if loop_after is not None:  # before the first step the server reports no loop times yet
+                    results[key]["engine_core_loop"] = _loop_figures(loop_before, loop_after, duration)
                 raw[key] = [
                     {
                         "ttft_s": t.ttft_s,
@@ -850,16 +850,19 @@ def _core_loop(base_url: str, api_key: str | None) -> dict[str, float] | None:
     return found if len(found) == 5 else None
 
 
-def _loop_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Over one timed run: the share of the core loop's wall time inside steps, and what crossing the
-    boundary cost per step (the core's io: decoding messages in, encoding and sending outputs)."""
-    d = {k: after[k] - before[k] for k in after}
-    wall = d["step"] + d["io"] + d["idle"]
+def _loop_figures(
+    before: dict[str, float] | None, after: dict[str, float], duration_s: float
+) -> dict[str, float | None]:
+    """Over one timed run of `duration_s`: the shares of it the core loop spent inside steps and on
+    messages (the rest it waited), and what crossing the boundary cost per step (the core's io:
+    decoding messages in, encoding and sending outputs). `before` None: nothing had run yet."""
+    d = {k: after[k] - (before[k] if before is not None else 0.0) for k in after}
+    wall = duration_s
     steps = d["engine_core_steps"]
     return {
         "step_share": d["step"] / wall if wall else None,
         "io_share": d["io"] / wall if wall else None,
-        "idle_share": d["idle"] / wall if wall else None,
+        "idle_share": max(0.0, 1.0 - (d["step"] + d["io"]) / wall) if wall else None,
         "steps": steps,
         "step_ms": 1e3 * d["step"] / steps if steps else None,
         "io_us_per_step": 1e6 * d["io"] / steps if steps else None,

@@ -29,7 +29,7 @@ import msgspec
 
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
-from mmserve.engine.core_client import EngineCoreClient
+from mmserve.engine.core_client import CoreHandle, EngineCoreClient
 from mmserve.engine.faults import RequestFailedError
 from mmserve.engine.loader import load_frontend, resolve_checkpoint
 from mmserve.engine.messages import EngineCoreOutputs, EngineInfo
@@ -83,10 +83,14 @@ class AsyncEngine:
         max_waiting_requests: int = 1024,
         stat_loggers: Sequence[StatLogger] = (),
         engine_process: bool = True,
+        core: CoreHandle | None = None,
+        client_index: int = 0,
     ) -> None:
+        """`core`: serve through that running engine core (one of `--api-server-count` front ends,
+        number `client_index`) instead of starting one."""
         args = resolve_checkpoint(args)  # a bad model path fails here, before any process starts
         self.args = args
-        self._client = EngineCoreClient(args, engine_process=engine_process)
+        self._client = EngineCoreClient(args, engine_process=engine_process, client_index=client_index, core=core)
         self.info: EngineInfo = self._client.info
         try:
             self.tokenizer, self.processor = load_frontend(args, self.info.max_model_len, media_limits)

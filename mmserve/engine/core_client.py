@@ -14,13 +14,14 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from mmserve.config import EngineArgs
-from mmserve.engine.core_proc import run_engine_core
+from mmserve.engine.core_proc import pid_alive, run_engine_core
 from mmserve.engine.messages import EngineInfo
 from mmserve.engine.serial import Decoder, Encoder
 from mmserve.engine.wire import (
@@ -41,12 +42,43 @@ from mmserve.request import Request
 _START_TIMEOUT_S = 600.0  # loading a big checkpoint takes a while
 
 
+@dataclass(frozen=True)
+class CoreHandle:
+    """An engine core started by someone else (the `--api-server-count` launcher): where it listens and
+    its process id (for liveness checks from a sibling process)."""
+
+    input_address: str
+    pid: int
+
+
+def start_engine_core(args: EngineArgs) -> tuple[multiprocessing.process.BaseProcess, CoreHandle]:
+    """Spawn an engine-core process for several front ends; returns it and how to reach it."""
+    directory = tempfile.mkdtemp(prefix="mmserve-core-")
+    address = f"ipc://{directory}/input"
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(args, address), name="mmserve-engine-core", daemon=True
+    )
+    process.start()
+    assert process.pid is not None
+    return process, CoreHandle(address, process.pid)
+
+
 class EngineCoreClient:
-    def __init__(self, args: EngineArgs, *, engine_process: bool = True, client_index: int = 0) -> None:
-        self.engine_process = engine_process
+    """`core`: connect to that running core as front end `client_index`; None: start a core of our own,
+    in a spawned process (`engine_process`) or on a thread."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        *,
+        engine_process: bool = True,
+        client_index: int = 0,
+        core: CoreHandle | None = None,
+    ) -> None:
+        self.engine_process = engine_process or core is not None
         self.client_index = client_index
-        self._dir = Path(tempfile.mkdtemp(prefix="mmserve-core-"))
-        input_address = f"ipc://{self._dir}/input"
+        self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
+        input_address = core.input_address if core is not None else f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output-{client_index}-{uuid.uuid4().hex[:8]}"
         self.context = zmq.Context()
         self._pull = self.context.socket(zmq.PULL)
@@ -60,13 +92,14 @@ class EngineCoreClient:
         self._media = MediaMirror()
         self._process: Any = None
         self._thread: threading.Thread | None = None
-        if engine_process:
+        self._sibling_pid = core.pid if core is not None else None  # a core we do not own
+        if core is None and engine_process:
             ctx = multiprocessing.get_context("spawn")
             self._process = ctx.Process(
                 target=run_engine_core, args=(args, input_address), name="mmserve-engine-core", daemon=True
             )
             self._process.start()
-        else:
+        elif core is None:
             bound = threading.Event()
             self._thread = threading.Thread(
                 target=run_engine_core,
@@ -108,10 +141,14 @@ class EngineCoreClient:
     def core_alive(self) -> bool:
         if self._process is not None:
             return self._process.is_alive()
+        if self._sibling_pid is not None:
+            return pid_alive(self._sibling_pid)
         return self._thread is not None and self._thread.is_alive()
 
     @property
     def core_pid(self) -> int | None:
+        if self._sibling_pid is not None:
+            return self._sibling_pid
         return self._process.pid if self._process is not None else None
 
     def _wait_ready(self) -> EngineInfo:
@@ -132,8 +169,9 @@ class EngineCoreClient:
 
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self, timeout_s: float = 5.0) -> None:
-        """Ask the core to stop, wait for it (kill it after `timeout_s`), close the sockets."""
-        if self.core_alive():
+        """Ask the core to stop (one we started), wait for it (kill it after `timeout_s`), close the
+        sockets. A core shared with other front ends is left to its launcher."""
+        if self.core_alive() and self._sibling_pid is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(Shutdown())
         if self._process is not None:

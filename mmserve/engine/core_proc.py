@@ -196,7 +196,7 @@ class CoreServer:
     def _reap_dead_clients(self) -> None:
         """A front end whose process is gone: abort its requests (their blocks are freed now)."""
         for index, client in list(self.clients.items()):
-            if _alive(client.pid):
+            if pid_alive(client.pid):
                 continue
             logger.warning("front end %d (pid %d) is gone: aborting its %d requests", index, client.pid,
                            len(client.request_ids))  # fmt: skip
@@ -206,7 +206,8 @@ class CoreServer:
             del self.clients[index]
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
