@@ -294,6 +294,9 @@ def test_a_busy_port_and_a_missing_model_are_one_line_before_anything_loads(tmp_
     assert proc.returncode == 2 and "is not a checkpoint directory" in out and "Traceback" not in out, out
 
 
+LOADING_SEEN: list[tuple[int, str, int, str]] = []  # (pid, path, status, body) answered while loading
+
+
 @pytest.fixture
 def served(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     port = free_port()
@@ -304,12 +307,16 @@ def served(model_dir: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, 
         while True:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                live = httpx.get(f"{url}/live", timeout=1)
+                health = httpx.get(f"{url}/health", timeout=1)
+                if health.status_code == 200:
                     break
+                LOADING_SEEN.append((proc.pid, "/live", live.status_code, live.text))
+                LOADING_SEEN.append((proc.pid, "/health", health.status_code, health.text))
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline
-            time.sleep(0.2)
+            time.sleep(0.05)
         yield proc, url
     finally:
         if proc.poll() is None:
@@ -349,6 +356,10 @@ def test_sigkill_of_the_api_process_takes_the_core_and_the_decode_workers_with_i
 
 def test_the_banner_states_the_kv_pool_and_the_engine_process(served: tuple[subprocess.Popen, str]) -> None:
     proc, _ = served
+    # While the model loaded, the bound port answered: liveness 200 "loading", readiness 503 "loading".
+    seen = {(path, status, json.loads(body).get("status") or json.loads(body)["error"]["code"])
+            for pid, path, status, body in LOADING_SEEN if pid == proc.pid}  # fmt: skip
+    assert seen == {("/live", 200, "loading"), ("/health", 503, "loading")}, seen
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0

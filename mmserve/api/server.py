@@ -10,6 +10,7 @@ with exit status 1, so a supervisor restarts it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -114,6 +115,52 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class LoadingResponder:
+    """Answers on the bound socket while the model loads, so probes get an answer instead of a hang:
+    `/live` 200 {"status": "loading"}, everything else 503 `loading` with Retry-After. `stop()` hands the
+    socket over to uvicorn; connections that arrive after it wait in the backlog for uvicorn."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        sock.listen(128)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmserve-loading", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            readable, _, _ = select.select([self.sock], [], [], 0.05)
+            if not readable or self._stop.is_set():
+                continue
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, OSError):
+                continue
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    line = conn.recv(4096).split(b"\r\n", 1)[0].split()
+                except OSError:
+                    continue
+                path = line[1].decode("latin-1") if len(line) > 1 else ""
+                if path.split("?")[0] == "/live":
+                    status, body = "200 OK", b'{"status": "loading"}'
+                else:
+                    status = "503 Service Unavailable"
+                    body = (b'{"error": {"message": "the model is loading", "type": "service_unavailable", '
+                            b'"param": null, "code": "loading"}}')  # fmt: skip
+                head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+                        "\r\nretry-after: 1\r\nconnection: close\r\n\r\n")  # fmt: skip
+                with contextlib.suppress(OSError):
+                    conn.sendall(head.encode() + body)
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What `mmserve serve` passes to each API server process."""
@@ -141,13 +188,22 @@ def run_server(options: ServeOptions, api_server_count: int = 1) -> int:
         print(f"mmserve: {exc}", file=sys.stderr, flush=True)
         return 2
     options = dataclasses.replace(options, engine_args=args)
+    loading = LoadingResponder(sock)
     if api_server_count <= 1:
-        return _serve_api(options, sock)
-    return _launch(options, sock, api_server_count)
+        return _serve_api(options, sock, loading=loading)
+    return _launch(options, sock, api_server_count, loading)
 
 
-def _serve_api(options: ServeOptions, sock: socket.socket, core: CoreHandle | None = None, index: int = 0) -> int:
-    """One API server process: its front end (own core, or front end `index` of a shared `core`) and uvicorn."""
+def _serve_api(
+    options: ServeOptions,
+    sock: socket.socket,
+    core: CoreHandle | None = None,
+    index: int = 0,
+    loading: LoadingResponder | None = None,
+    ready: Any = None,
+) -> int:
+    """One API server process: its front end (own core, or front end `index` of a shared `core`) and
+    uvicorn. `loading` answers probes until the engine is up; `ready` (an Event) is set then."""
     settings = options.settings
     try:
         engine = AsyncEngine(
@@ -161,6 +217,11 @@ def _serve_api(options: ServeOptions, sock: socket.socket, core: CoreHandle | No
     except MMServeError as exc:
         print(f"mmserve: {exc}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        if loading is not None:
+            loading.stop()
+        if ready is not None:
+            ready.set()
     app = create_app(engine, settings, own_engine=True)
     if index == 0:
         host = options.host
@@ -188,14 +249,14 @@ def _serve_api(options: ServeOptions, sock: socket.socket, core: CoreHandle | No
     return server.exit_code
 
 
-def _api_server_main(options: ServeOptions, sock: socket.socket, core: CoreHandle, index: int) -> None:
+def _api_server_main(options: ServeOptions, sock: socket.socket, core: CoreHandle, index: int, ready: Any) -> None:
     """A spawned API server process (one of `--api-server-count`). Ctrl-C reaches the whole process group:
     the launcher forwards SIGTERM instead, so each API server drains once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.exit(_serve_api(options, sock, core, index))
+    sys.exit(_serve_api(options, sock, core, index, ready=ready))
 
 
-def _launch(options: ServeOptions, sock: socket.socket, count: int) -> int:
+def _launch(options: ServeOptions, sock: socket.socket, count: int, loading: LoadingResponder) -> int:
     """The `--api-server-count` launcher: a shared engine core, `count` API processes on one socket,
     request metrics summed across them (prometheus-client's multiprocess mode). SIGTERM / SIGINT: each API
     server drains, then the core stops. Exit status: 1 if the core or any API server failed, else 0."""
@@ -203,12 +264,16 @@ def _launch(options: ServeOptions, sock: socket.socket, count: int) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by each API process at import
     core_process, core = start_engine_core(options.engine_args)
     ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()  # the first API server up takes the socket over from the loading responder
     servers = [
-        ctx.Process(target=_api_server_main, args=(options, sock, core, i), name=f"mmserve-api-{i}")
+        ctx.Process(target=_api_server_main, args=(options, sock, core, i, ready), name=f"mmserve-api-{i}")
         for i in range(count)
     ]
     for process in servers:
         process.start()
+    while not ready.wait(0.2) and any(p.is_alive() for p in servers):
+        pass
+    loading.stop()
     sock.close()  # the API processes hold it now
     stopping = threading.Event()
 

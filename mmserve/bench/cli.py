@@ -321,6 +321,12 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="start the server as a child `mmserve serve` (its own GIL, as deployed) instead of a thread",
     )
     p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="with --server-process: API server processes of the child `mmserve serve`",
+    )
+    p.add_argument(
         "--offline",
         action="store_true",
         help="also run the same requests through the offline LLM.chat (same engine settings) and report "
@@ -454,6 +460,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             server_process=args.server_process,
+            api_server_count=args.api_server_count,
             offline=args.offline,
             json_path=args.json,
             progress=not args.no_progress,

@@ -622,12 +622,15 @@ def bench_serve(
     video_interval_s: float = 2.0,
     compare_no_chunk: bool = False,
     server_process: bool = False,
+    api_server_count: int = 1,
     offline: bool = False,
     json_path: Path | None = None,
     progress: bool = True,
 ) -> dict:
     """Run the workload over each transport; `url` None starts a server on `model`: in this process
     (a thread), or with `server_process` as a child `mmserve serve` (no GIL shared with the clients).
+
+    `api_server_count`: with `server_process`, the child's API server processes (`--api-server-count`).
 
     `offline`: afterwards, the first transport's requests also run through the offline `LLM.chat` in this
     process, with `max_num_seqs` and `max_num_batched_tokens` (give the server's when it is at `url`), and
@@ -687,7 +690,7 @@ def bench_serve(
                 engine_kwargs |= {"scheduler_policy": "no_chunk", "chunk_encoder": False}
                 engine_kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, longest_prompt)
             server = (
-                ServerProcess(model, **engine_kwargs)
+                ServerProcess(model, **engine_kwargs, api_server_count=api_server_count)
                 if server_process
                 else InProcessServer(model, **engine_kwargs)
             )
@@ -749,6 +752,7 @@ def bench_serve(
             "url": url,
             "in_process_server": url is None and not server_process,
             "server_process": server_process and url is None,
+            "api_server_count": api_server_count if server_process and url is None else None,
             "transports": list(transports),
             "workload": workload,
             "num_prompts": num_prompts,
