@@ -321,6 +321,12 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="start the server as a child `mmserve serve` (its own GIL, as deployed) instead of a thread",
     )
     p.add_argument(
+        "--no-engine-process",
+        action="store_true",
+        help="with --server-process: the child runs its engine core on a thread (`serve --no-engine-process`)",
+    )
+    p.add_argument("--image-format", choices=["png", "jpeg"], default="png", help="random-mm: how images are encoded")
+    p.add_argument(
         "--api-server-count",
         type=int,
         default=1,
@@ -461,6 +467,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             server_process=args.server_process,
             api_server_count=args.api_server_count,
+            engine_process=not args.no_engine_process,
+            image_format=args.image_format,
             offline=args.offline,
             json_path=args.json,
             progress=not args.no_progress,

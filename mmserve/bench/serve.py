@@ -65,11 +65,15 @@ def _random_text(rng: random.Random, n: int, tokenizer: Any | None) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _png_data_url(rng: np.random.Generator, size: int) -> str:
+def _png_data_url(rng: np.random.Generator, size: int, image_format: str = "png") -> str:
+    """A random `size`^2 image as a data URL, PNG (lossless: every pixel as drawn) or JPEG (quality 90)."""
     from PIL import Image
 
     pixels = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
     buf = io.BytesIO()
+    if image_format == "jpeg":
+        Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
     Image.fromarray(pixels).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
@@ -97,6 +101,7 @@ def build_requests(
     num_frames: int = 0,
     video_size: int = 112,
     num_videos: int = 2,
+    image_format: str = "png",
 ) -> list[BenchRequest]:
     """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` (default 1)
     random images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of
@@ -121,7 +126,7 @@ def build_requests(
 
     def image_parts() -> list[dict]:  # `num_images` fresh random PNGs as content parts
         return [
-            {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size)}}
+            {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, image_size, image_format)}}
             for _ in range(num_images)
         ]
 
@@ -522,6 +527,8 @@ class ServerProcess:
         for name, value in engine_kwargs.items():
             if name == "chunk_encoder":
                 cmd += [] if value else ["--no-chunk-encoder"]
+            elif isinstance(value, bool):  # a switch: present when true
+                cmd += [f"--{name.replace('_', '-')}"] if value else []
             elif value is not None:
                 cmd += [f"--{name.replace('_', '-')}", str(value)]
         env = {**os.environ, "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
@@ -623,6 +630,8 @@ def bench_serve(
     compare_no_chunk: bool = False,
     server_process: bool = False,
     api_server_count: int = 1,
+    engine_process: bool = True,
+    image_format: str = "png",
     offline: bool = False,
     json_path: Path | None = None,
     progress: bool = True,
@@ -665,6 +674,7 @@ def bench_serve(
             num_frames,
             video_size,
             num_videos,
+            image_format,
         )
 
     requests = requests_for(0)  # built before any server starts: bad workload options fail fast
@@ -690,7 +700,9 @@ def bench_serve(
                 engine_kwargs |= {"scheduler_policy": "no_chunk", "chunk_encoder": False}
                 engine_kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, longest_prompt)
             server = (
-                ServerProcess(model, **engine_kwargs, api_server_count=api_server_count)
+                ServerProcess(
+                    model, **engine_kwargs, api_server_count=api_server_count, no_engine_process=not engine_process
+                )
                 if server_process
                 else InProcessServer(model, **engine_kwargs)
             )
@@ -753,6 +765,8 @@ def bench_serve(
             "in_process_server": url is None and not server_process,
             "server_process": server_process and url is None,
             "api_server_count": api_server_count if server_process and url is None else None,
+            "engine_process": engine_process if server_process and url is None else None,
+            "image_format": image_format if workload == "random-mm" else None,
             "transports": list(transports),
             "workload": workload,
             "num_prompts": num_prompts,
