@@ -256,6 +256,9 @@ def _serve(args: argparse.Namespace) -> int:
         cors_allow_origins=tuple(o.strip() for o in args.cors_allow_origins.split(",") if o.strip()),
         shutdown_timeout_s=args.shutdown_timeout_s,
     )
+    if args.api_server_count < 1:
+        print("mmserve: --api-server-count must be at least 1", file=sys.stderr)
+        return 2
     if args.api_server_count > 1 and args.no_engine_process:
         print("mmserve: --api-server-count needs the engine core in its own process", file=sys.stderr)
         return 2

@@ -75,7 +75,7 @@ def media_request(request_id: str, mm_hash: str, pixels: torch.Tensor) -> Reques
 def test_every_input_message_round_trips_with_tensors_out_of_band() -> None:
     pixels = torch.randn(4, 12)
     request = media_request("r1", "h1", pixels)
-    wire = request_to_wire(request, MediaMirror())
+    wire, _ = request_to_wire(request, MediaMirror())
     messages = [
         Hello(0, "ipc:///tmp/x", 123),
         AddRequest(0, wire),
@@ -143,8 +143,9 @@ def test_repeated_media_cross_as_their_hash_and_the_mirrors_evict_in_lockstep() 
     size = pixels["a"].numel() * 4
     sent, held = MediaMirror(capacity=2 * size), MediaMirror(capacity=2 * size)
     for i, h in enumerate(["a", "b", "a", "c", "b", "a"]):
-        wire = request_to_wire(media_request(f"r{i}", h, pixels[h]), sent)
+        wire, commit = request_to_wire(media_request(f"r{i}", h, pixels[h]), sent)
         decoded, frames = roundtrip(AddRequest(0, wire), CoreInput)
+        commit()  # once sent
         request = request_from_wire(decoded.request, held)
         assert torch.equal(request.mm_inputs[0].data.pixel_values, pixels[h])
         # r2: "a" again (held); r3 "c" evicts "b"; r4 "b" is sent again and evicts "a"; r5 "a" again.

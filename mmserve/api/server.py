@@ -47,14 +47,21 @@ _FINAL_EVENTS_S = 0.5  # after streams are ended (engine death, drain timeout): 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain on SIGTERM/SIGINT and an exit when the engine dies."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout_s: float, ignore_sigint: bool = False
+    ) -> None:
+        """`ignore_sigint`: an API server under the launcher, which forwards Ctrl-C as one SIGTERM."""
         super().__init__(config)
-        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.engine, self.drain_timeout_s, self.ignore_sigint = engine, drain_timeout_s, ignore_sigint
         self.exit_code = 0
         self._drain_deadline: float | None = None
         self._exit_at: float | None = None  # streams have been sent their final events; stop then
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT and self.ignore_sigint:
+            return
+        if self._drain_deadline is not None and sig == signal.SIGTERM:
+            return  # the same shutdown asked again (e.g. a process group's SIGTERM): keep draining
         if self._drain_deadline is not None or sig not in (signal.SIGTERM, signal.SIGINT):
             super().handle_exit(sig, frame)  # a second signal: stop now (uvicorn's own shutdown)
             return
@@ -186,6 +193,8 @@ def run_server(options: ServeOptions, api_server_count: int = 1) -> int:
         args = resolve_checkpoint(options.engine_args)
     except MMServeError as exc:
         print(f"mmserve: {exc}", file=sys.stderr, flush=True)
+        if "sock" in locals():
+            sock.close()
         return 2
     options = dataclasses.replace(options, engine_args=args)
     loading = LoadingResponder(sock)
@@ -244,7 +253,7 @@ def _serve_api(
         log_level=options.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s) + 1,
     )
-    server = DrainingServer(config, engine, settings.shutdown_timeout_s)
+    server = DrainingServer(config, engine, settings.shutdown_timeout_s, ignore_sigint=core is not None)
     server.run(sockets=[sock])
     return server.exit_code
 
@@ -262,31 +271,34 @@ def _launch(options: ServeOptions, sock: socket.socket, count: int, loading: Loa
     server drains, then the core stops. Exit status: 1 if the core or any API server failed, else 0."""
     metrics_dir = tempfile.mkdtemp(prefix="mmserve-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by each API process at import
-    core_process, core = start_engine_core(options.engine_args)
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Event()  # the first API server up takes the socket over from the loading responder
-    servers = [
-        ctx.Process(target=_api_server_main, args=(options, sock, core, i, ready), name=f"mmserve-api-{i}")
-        for i in range(count)
-    ]
-    for process in servers:
-        process.start()
-    while not ready.wait(0.2) and any(p.is_alive() for p in servers):
-        pass
-    loading.stop()
-    sock.close()  # the API processes hold it now
     stopping = threading.Event()
+    servers: list[Any] = []
 
     def forward(sig: int, frame: FrameType | None) -> None:
+        if stopping.is_set():
+            return  # one drain per API server; a second Ctrl-C does not cut it short
         stopping.set()
         for process in servers:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGTERM, forward)  # before anything starts: a signal while loading cleans up too
     signal.signal(signal.SIGINT, forward)
-    failed = False
+    core_process, core = start_engine_core(options.engine_args)
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()  # the first API server up takes the socket over from the loading responder
+    failed, reported = False, set()
     try:
+        servers.extend(
+            ctx.Process(target=_api_server_main, args=(options, sock, core, i, ready), name=f"mmserve-api-{i}")
+            for i in range(count)
+        )
+        for process in servers:
+            process.start()
+        while not ready.wait(0.2) and any(p.is_alive() for p in servers) and not stopping.is_set():
+            pass
+        loading.stop()
+        sock.close()  # the API processes hold it now
         while any(p.is_alive() for p in servers):
             if not core_process.is_alive() and not stopping.is_set():
                 logger.critical("the engine core died: stopping the API servers")
@@ -294,21 +306,25 @@ def _launch(options: ServeOptions, sock: socket.socket, count: int, loading: Loa
                 forward(signal.SIGTERM, None)
             for process in servers:
                 process.join(0.2)
-                if not process.is_alive() and process.exitcode not in (0, None) and not stopping.is_set():
+                if not process.is_alive() and process.exitcode not in (0, None) and process not in reported:
                     # The core aborts a dead front end's requests; the other API servers go on.
                     logger.error("API server %s exited with status %s", process.name, process.exitcode)
+                    reported.add(process)
                     failed = True
     finally:
+        loading.stop()
         for process in servers:
             process.join(5)
             if process.is_alive():
                 process.kill()
         failed |= any(p.exitcode not in (0, None) for p in servers) or not core_process.is_alive()
+        # No front end is left: the core has nothing to finish.
         core_process.terminate()
         core_process.join(10)
         if core_process.is_alive():
             core_process.kill()
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(core.directory, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -682,6 +682,8 @@ def bench_serve(
         raise ValueError("give --url or --model")
     if compare_no_chunk and (url is not None or workload != "long-video"):
         raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url)")
+    if (api_server_count != 1 or not engine_process) and (url is not None or not server_process):
+        raise ValueError("--api-server-count and --no-engine-process are for the server --server-process starts")
     if url is not None and offline and model is None:
         raise ValueError("the offline baseline needs --model (the server's checkpoint)")
     engine_kwargs: dict[str, Any] = {

@@ -224,8 +224,9 @@ class AsyncEngine:
                 stat_logger.on_output(final, now)
             if entry is not None:
                 loop, stream = entry
-                with contextlib.suppress(RuntimeError):  # that event loop is closed: nobody listens
-                    loop.call_soon_threadsafe(_deliver, [(stream, _snapshot(final)), (stream, _STREAM_END)])
+                with self._lock:  # after anything the output thread queued for it, in order
+                    self._outbox.setdefault(loop, []).extend([(stream, _snapshot(final)), (stream, _STREAM_END)])
+                self._flush()
 
     def abort_all(self, stop_reason: str) -> int:
         """Abort every request in flight (the end of a drain); returns how many."""
@@ -240,16 +241,16 @@ class AsyncEngine:
         but the output thread."""
         return self.utility_future(method, *args).result(timeout)
 
-    async def acall_utility(self, method: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self.utility_future(method, *args))
+    async def acall_utility(self, method: str, *args: Any, timeout: float = 30.0) -> Any:
+        return await asyncio.wait_for(asyncio.wrap_future(self.utility_future(method, *args)), timeout)
 
     def utility_future(self, method: str, *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.is_running:
-            future.set_exception(EngineDeadError("the engine is not running"))
-            return future
         call_id = next(self._call_ids)
         with self._lock:
+            if not self.is_running:
+                future.set_exception(EngineDeadError("the engine is not running"))
+                return future
             self._calls[call_id] = (method, future)
         self._client.call_utility(call_id, method, args)
         return future
@@ -275,6 +276,10 @@ class AsyncEngine:
             self._outputs.abort_request(request_id)
             self._emit(request_id, EngineDeadError("the engine shut down"), last=True)
         self._flush()
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for _, future in calls.values():
+            future.set_exception(EngineDeadError("the engine shut down"))
         self._client.close()
 
     # -- internals -----------------------------------------------------------------------------------
@@ -295,20 +300,21 @@ class AsyncEngine:
         """Queue `item` for the request's stream; `_flush` hands it over (once per message)."""
         with self._lock:
             entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if entry is None:
-            return
-        loop, stream = entry
-        batch = self._outbox.setdefault(loop, [])
-        batch.append((stream, item))
-        if last and not isinstance(item, BaseException):
-            batch.append((stream, _STREAM_END))
+            if entry is None:
+                return
+            loop, stream = entry
+            batch = self._outbox.setdefault(loop, [])
+            batch.append((stream, item))
+            if last and not isinstance(item, BaseException):
+                batch.append((stream, _STREAM_END))
 
     def _flush(self) -> None:
         """One `call_soon_threadsafe` per event loop for everything emitted since the last flush."""
-        outbox, self._outbox = self._outbox, {}
-        for loop, batch in outbox.items():
-            with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
-                loop.call_soon_threadsafe(_deliver, batch)
+        with self._lock:  # swapped and scheduled under one lock: two threads' batches keep their order
+            outbox, self._outbox = self._outbox, {}
+            for loop, batch in outbox.items():
+                with contextlib.suppress(RuntimeError):  # the caller's event loop is closed: nobody listens
+                    loop.call_soon_threadsafe(_deliver, batch)
 
     def _run_output_loop(self) -> None:
         client = self._client
@@ -348,7 +354,9 @@ class AsyncEngine:
             self._stats = step.stats
             self._num_pending = 0  # the core has seen every request sent before this step
             finals = [self._outputs.abort_request(o.request_id) for o in failed]
-            updated, stopped = self._outputs.process([o for o in step.outputs if o.error is None])
+            processed, stopped = self._outputs.process([o for o in step.outputs if o.error is None])
+            # Copies taken under the lock: abort() on another thread may end the same output next.
+            updated = [_snapshot(out) for out in processed]
         if stopped:
             self._client.abort_requests(stopped, stopped=True)
         for out, final in zip(failed, finals, strict=True):
@@ -361,16 +369,20 @@ class AsyncEngine:
         for out in updated:
             for stat_logger in self.stat_loggers:
                 stat_logger.on_output(out, now)
-            self._emit(out.request_id, _snapshot(out), out.finished)
+            self._emit(out.request_id, out, out.finished)
         for stat_logger in self.stat_loggers:
             stat_logger.on_step(step)
 
     def _on_rejected(self, message: RequestRejected) -> None:
         with self._lock:
             self._outputs.abort_request(message.request_id)
-        cls = _REJECTIONS.get(message.error_type, MMServeError)
-        if issubclass(cls, InvalidRequestError):
-            error: BaseException = cls(message.message, param=message.param)
+            self._num_pending = max(0, self._num_pending - 1)  # an idle core sends no step to reset it
+        cls = _REJECTIONS.get(message.error_type)
+        if cls is None:  # not one of ours: its text is the engine's, never shown to clients
+            logger.error("request %s rejected by the engine: %s", message.request_id, message.message)
+            error: BaseException = RequestFailedError("the request failed inside the engine")
+        elif issubclass(cls, InvalidRequestError):
+            error = cls(message.message, param=message.param)
         else:
             error = cls(message.message)
         self._emit(message.request_id, error, last=True)

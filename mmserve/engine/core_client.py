@@ -49,6 +49,7 @@ class CoreHandle:
 
     input_address: str
     pid: int
+    directory: str = ""  # the launcher's: removed when the core is gone
 
 
 def start_engine_core(args: EngineArgs) -> tuple[multiprocessing.process.BaseProcess, CoreHandle]:
@@ -60,7 +61,7 @@ def start_engine_core(args: EngineArgs) -> tuple[multiprocessing.process.BasePro
     )
     process.start()
     assert process.pid is not None
-    return process, CoreHandle(address, process.pid)
+    return process, CoreHandle(address, process.pid, directory)
 
 
 class EngineCoreClient:
@@ -117,8 +118,9 @@ class EngineCoreClient:
     # -- sending (any thread) ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         with self._send_lock:  # the media mirror's order is the socket's order
-            message = AddRequest(self.client_index, request_to_wire(request, self._media))
-            self._push.send_multipart(self._encoder.encode(message), copy=False)
+            wire, commit = request_to_wire(request, self._media)
+            self._push.send_multipart(self._encoder.encode(AddRequest(self.client_index, wire)), copy=False)
+            commit()  # only once it is on its way, as the core will apply it
 
     def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         if request_ids:
@@ -181,7 +183,8 @@ class EngineCoreClient:
                 self._process.join(5)
         elif self._thread is not None:
             self._thread.join(timeout_s)
-        self._push.close(linger=0)
+        with self._send_lock:
+            self._push.close(linger=0)
         self._pull.close(linger=0)
         if self._thread is None or not self._thread.is_alive():
             self.context.term()

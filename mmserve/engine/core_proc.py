@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 200  # how often an idle core checks that its front ends are alive
 _LIVENESS_EVERY_S = 0.5  # ... and a busy one
+_STALLED_POLL_MS = 5  # requests are held but nothing can be scheduled (e.g. waiting for blocks)
 
 
 @dataclass
@@ -77,6 +78,8 @@ class CoreServer:
         # CoreLoopStats, cumulative: published with every step's outputs.
         self.step_s = self.io_s = self.idle_s = 0.0
         self.num_steps = self.bytes_out = 0
+        self._stalled = False
+        self._last_stats: Any = None
 
     def serve(self, parent_sentinel: int | None = None) -> None:
         if parent_sentinel is not None:
@@ -95,6 +98,8 @@ class CoreServer:
                 return
             if self.input in events and self._drain_inputs():
                 return
+            if busy and not events and self._stalled:
+                self.poller.poll(_STALLED_POLL_MS)  # requests, none schedulable: wait for a message, don't spin
             now = time.monotonic()
             if now >= self._next_liveness:
                 self._next_liveness = now + _LIVENESS_EVERY_S
@@ -105,7 +110,11 @@ class CoreServer:
                 step = self.core.step()
                 t3 = clock()
                 self.step_s += t3 - t2
-                self._publish(step)
+                # A step that ran nothing and changed nothing is not sent (and the loop backs off).
+                self._stalled = step.step is None and not step.outputs and step.stats == self._last_stats
+                if not self._stalled:
+                    self._last_stats = step.stats
+                    self._publish(step)
                 self.io_s += clock() - t3
 
     # -- inputs ---------------------------------------------------------------------------------------
@@ -127,6 +136,11 @@ class CoreServer:
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, Hello):
+            old = self.clients.pop(message.client_index, None)
+            if old is not None:  # the same front end again (restarted): what it had is orphaned
+                self.core.abort_requests(list(old.request_ids))
+                self._forget(list(old.request_ids))
+                old.socket.close(linger=0)
             socket = self.context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 1000)
             socket.connect(message.output_address)
@@ -145,9 +159,10 @@ class CoreServer:
                 param = exc.param if isinstance(exc, InvalidRequestError) else None
                 self._send(client, RequestRejected(request_id, type(exc).__name__, str(exc), param))
                 return
-            except Exception as exc:  # a malformed message: this request only
+            except Exception:  # a malformed message: this request only (the detail stays in this log)
                 logger.exception("request %s could not be added", request_id)
-                self._send(client, RequestRejected(request_id, "RequestFailedError", f"{type(exc).__name__}"))
+                message = "the request failed inside the engine"
+                self._send(client, RequestRejected(request_id, "RequestFailedError", message))
                 return
             client.request_ids.add(request_id)
             self.owner[request_id] = client.index
@@ -178,8 +193,11 @@ class CoreServer:
         self._forget(finished)
         self.num_steps += 1
         loop = CoreLoopStats(self.step_s, self.io_s, self.idle_s, self.num_steps, self.bytes_out)
+        # The step record goes to one front end only: with several, their metrics are summed.
+        first = min(by_client, default=None)
         for index, outputs in by_client.items():
-            message = StepOutputs(EngineCoreOutputs(tuple(outputs), step.stats, step.step, loop))
+            record = step.step if index == first else None
+            message = StepOutputs(EngineCoreOutputs(tuple(outputs), step.stats, record, loop))
             self._send(self.clients[index], message)
 
     def _send(self, client: _Client, message: Any) -> None:
@@ -231,7 +249,10 @@ def run_engine_core(
     """The core's entry point (a spawned process's target, or a thread's). Binds `input_address`,
     builds the core (answering each `Hello` with `StartFailed` if that fails) and serves."""
     if not in_process:
-        # Ctrl-C goes to the whole process group: the server drains and then shuts the core down.
+        # Ctrl-C or a SIGTERM to the server's process group (a terminal, systemd, `kill -- -pgid`) must not
+        # end the core before the server has drained: it leaves the group, and stops on `Shutdown` or
+        # when its parent dies. A SIGTERM sent to it alone still ends it (multiprocessing's cleanup).
+        os.setpgrp()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         logging.basicConfig(level=logging.INFO, format="%(levelname)s engine-core: %(message)s")
     own_context = context is None
@@ -271,9 +292,8 @@ def _refuse_hellos(context: zmq.Context, socket: zmq.Socket, message: str, wait_
         if not socket.poll(100):
             continue
         hello = decoder.decode(socket.recv_multipart(copy=False))
-        if isinstance(hello, Hello):
+        if isinstance(hello, Hello):  # every front end that says hello in time hears why
             out = context.socket(zmq.PUSH)
             out.connect(hello.output_address)
             out.send_multipart(encoder.encode(StartFailed(message)))
             out.close(linger=2000)
-            return

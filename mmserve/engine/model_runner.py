@@ -91,8 +91,8 @@ class ModelRunner:
         try:
             self.faults.check_step()
             return self._execute(plan, views, rows, tuple(failed))
-        except Exception as exc:
-            touched = {v.request_id for v in views}
+        except Exception as exc:  # the requests left out fail with the step: nothing reports them now
+            touched = {v.request_id for v in views} | {f.request_id for f in failed}
             raise StepFault(frozenset(touched), exc) from exc
 
     def reset_encoder_cache(self) -> None:

@@ -9,6 +9,7 @@ A request's prompt ids, media and sampling params cross once (`EngineCoreRequest
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -127,6 +128,8 @@ class MediaMirror:
     def put(self, mm_hash: str, nbytes: int, value: object = None) -> None:
         if nbytes > self.capacity:
             return  # never mirrored: always sent whole
+        if mm_hash in self._items:  # replaced: its old size leaves, it becomes the most recent
+            self._bytes -= self._items.pop(mm_hash)[0]
         while self._bytes + nbytes > self.capacity:
             _, (size, _) = self._items.popitem(last=False)
             self._bytes -= size
@@ -134,22 +137,30 @@ class MediaMirror:
         self._bytes += nbytes
 
 
-def request_to_wire(request: Request, sent: MediaMirror) -> EngineCoreRequest:
+def request_to_wire(request: Request, sent: MediaMirror) -> tuple[EngineCoreRequest, Callable[[], None]]:
+    """The wire form, and the mirror updates to apply once it has been sent (never before: a message
+    that fails to encode or send must leave the mirror as the core's)."""
     items = []
+    ops: list[tuple[str, int]] = []  # (mm_hash, nbytes) to touch or put, in item order
     for mm in request.mm_inputs:
         data = mm.data
         assert isinstance(data, EncoderInput)
         nbytes = data.pixel_values.numel() * data.pixel_values.element_size()
-        if mm.mm_hash in sent:
-            sent.touch(mm.mm_hash)
-            pixels = None
-        else:
-            sent.put(mm.mm_hash, nbytes)
-            pixels = data.pixel_values
+        # Held if the mirror has it now, or an earlier item of this request puts it.
+        held = mm.mm_hash in sent or any(h == mm.mm_hash and n <= sent.capacity for h, n in ops)
+        pixels = None if held else data.pixel_values
+        ops.append((mm.mm_hash, nbytes))
         p = mm.placeholder
         items.append(
             MediaItem(mm.mm_hash, p.offset, p.length, mm.modality, mm.num_groups, data.grid_thw, nbytes, pixels)
         )
+    def commit() -> None:
+        for mm_hash, nbytes in ops:
+            if mm_hash in sent:
+                sent.touch(mm_hash)
+            else:
+                sent.put(mm_hash, nbytes)
+
     return EngineCoreRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
@@ -159,20 +170,26 @@ def request_to_wire(request: Request, sent: MediaMirror) -> EngineCoreRequest:
         mm_inputs=items,
         mrope_positions=request.mrope_positions,
         mrope_delta=request.mrope_delta,
-    )
+    ), commit
 
 
 def request_from_wire(msg: EngineCoreRequest, held: MediaMirror) -> Request:
-    """Raises KeyError if an item came as a hash the core does not hold (the mirrors diverged)."""
+    """Applies every item's mirror update (as the front end did), then raises KeyError if an item came
+    as a hash the core does not hold."""
     mm_inputs = []
+    missing = []
     for item in msg.mm_inputs:
         if item.pixel_values is None:
-            data = held.touch(item.mm_hash)
+            data = held.touch(item.mm_hash) if item.mm_hash in held else None
+            if data is None:
+                missing.append(item.mm_hash)
         else:
             data = EncoderInput(item.pixel_values, tuple(item.grid_thw))  # type: ignore[arg-type]
             held.put(item.mm_hash, item.nbytes, data)
         placeholder = PlaceholderRange(item.offset, item.length)
         mm_inputs.append(MultiModalInput(item.mm_hash, placeholder, item.modality, item.num_groups, data))
+    if missing:
+        raise KeyError(f"media {missing} came as hashes the core does not hold")
     mrope = msg.mrope_positions
     if isinstance(mrope, torch.Tensor):
         mrope = mrope.clone()  # out of the receive buffer: it outlives the message
