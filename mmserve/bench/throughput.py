@@ -39,7 +39,7 @@ class SystemResult:
     efficiency: float  # output tokens/s over the roofline bound
     ratio_to_hf_static: float | None = None
     kv_cache_peak_usage: float | None = None
-    # mmserve only: fractions of the timed run (forward, encoder, sampling, host overhead), see StepTimer
+    # mmserve only: fractions of the timed run (forward, encoder, sampling, host overhead), see step_time_split
     step_time_split: dict | None = None
     # mmserve only: the token budget it ran with (systems that never chunk a prefill get at least the
     # longest prompt, as vLLM without chunked prefill: otherwise it could not be admitted).
