@@ -92,9 +92,6 @@ class EngineCore:
         """Raises MMServeError (InvalidRequestError, SloInfeasibleError...) if the scheduler refuses it."""
         self._scheduler.add_request(request)
 
-    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
-        return self._scheduler.finish_request(request_id, status)
-
     def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for request_id in request_ids:
             self._scheduler.finish_request(request_id, status)

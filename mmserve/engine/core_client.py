@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -53,7 +54,8 @@ class CoreHandle:
 
 
 def start_engine_core(args: EngineArgs) -> tuple[multiprocessing.process.BaseProcess, CoreHandle]:
-    """Spawn an engine-core process for several front ends; returns it and how to reach it."""
+    """Spawn an engine-core process; returns it and how to reach it (its `directory` is the caller's
+    to remove once the core is gone)."""
     directory = tempfile.mkdtemp(prefix="mmserve-core-")
     address = f"ipc://{directory}/input"
     process = multiprocessing.get_context("spawn").Process(
@@ -76,10 +78,19 @@ class EngineCoreClient:
         client_index: int = 0,
         core: CoreHandle | None = None,
     ) -> None:
-        self.engine_process = engine_process or core is not None
         self.client_index = client_index
         self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
-        input_address = core.input_address if core is not None else f"ipc://{self._dir}/input"
+        self._process: Any = None
+        self._thread: threading.Thread | None = None
+        self._sibling_pid = core.pid if core is not None else None  # a core we do not own
+        self._core_dir: str | None = None  # the temporary directory of a core process we started
+        if core is None and engine_process:
+            self._process, own = start_engine_core(args)
+            input_address, self._core_dir = own.input_address, own.directory
+        elif core is None:
+            input_address = f"ipc://{self._dir}/input"
+        else:
+            input_address = core.input_address
         output_address = f"ipc://{self._dir}/output-{client_index}-{uuid.uuid4().hex[:8]}"
         self.context = zmq.Context()
         self._pull = self.context.socket(zmq.PULL)
@@ -91,16 +102,7 @@ class EngineCoreClient:
         self._encoder = Encoder()
         self._decoder = Decoder(CoreOutput)
         self._media = MediaMirror()
-        self._process: Any = None
-        self._thread: threading.Thread | None = None
-        self._sibling_pid = core.pid if core is not None else None  # a core we do not own
-        if core is None and engine_process:
-            ctx = multiprocessing.get_context("spawn")
-            self._process = ctx.Process(
-                target=run_engine_core, args=(args, input_address), name="mmserve-engine-core", daemon=True
-            )
-            self._process.start()
-        elif core is None:
+        if core is None and not engine_process:
             bound = threading.Event()
             self._thread = threading.Thread(
                 target=run_engine_core,
@@ -188,6 +190,6 @@ class EngineCoreClient:
         self._pull.close(linger=0)
         if self._thread is None or not self._thread.is_alive():
             self.context.term()
-        for path in self._dir.glob("*"):
-            path.unlink(missing_ok=True)
-        self._dir.rmdir() if self._dir.exists() and not any(self._dir.iterdir()) else None
+        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._core_dir is not None:
+            shutil.rmtree(self._core_dir, ignore_errors=True)

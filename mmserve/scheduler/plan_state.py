@@ -60,9 +60,6 @@ class RequestStates:
     def __len__(self) -> int:
         return len(self._states)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._states
-
     def apply(self, plan: SchedulerOutput) -> list[StepView]:
         """Bring every request up to this plan; returns the scheduled ones in batch order. Raises
         ValueError if the plan refers to a request it never sent or does not cover its tokens."""
