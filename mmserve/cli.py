@@ -184,9 +184,35 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "steps that encode prefill less (default 0: the encoder has only its own budget)",
     )
     _add_slo_flags(serve)
+    _add_parallel_flags(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+
+
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (processes) one model is split over: gloo on the CPU, NCCL on CUDA")  # fmt: skip
+    g.add_argument("--distributed-timeout-s", type=float, default=300.0,
+                   help="a collective waiting longer for a rank fails and the engine stops (a hung rank)")  # fmt: skip
+    g.add_argument("--tensor-parallel-local-ranks", type=int, default=None,
+                   help="ranks started on this node (default: all); the others join from other nodes "
+                   "with `python -m mmserve.engine.rank_worker` and torchrun's variables")  # fmt: skip
+    g.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="address of this node's rendezvous store (default: $MASTER_ADDR or loopback)")  # fmt: skip
+    g.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", "0")),
+                   help="its port (default: $MASTER_PORT, else any free port)")  # fmt: skip
+
+
+def parallel_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_timeout_s": args.distributed_timeout_s,
+        "tensor_parallel_local_ranks": args.tensor_parallel_local_ranks,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+    }
 
 
 def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_encoder=not args.no_chunk_encoder,
         encoder_token_cost=args.encoder_token_cost,
         **_slo_engine_kwargs(args),
+        **parallel_engine_kwargs(args),
     )
     settings = ServerSettings(
         api_key=args.api_key or None,

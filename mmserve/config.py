@@ -128,6 +128,15 @@ class EngineArgs:
     batch_min_share: float = SchedulerConfig.batch_min_share
     step_time_headroom: float = SchedulerConfig.step_time_headroom  # steps planned to (1 - this) x TBT
     tbt_slack_ms: float = SchedulerConfig.tbt_slack_ms  # a stream's lead on its TBT pace lent to one step
+    # -- tensor parallelism ---------------------------------------------------------------------------------
+    tensor_parallel_size: int = 1  # ranks one model is split over (processes; gloo on the CPU, NCCL on CUDA)
+    # A collective that waits longer than this for a rank fails, and the engine stops (a hung rank).
+    distributed_timeout_s: float = 300.0
+    # Ranks started on this machine (ranks 0..local-1); the rest join from other nodes through the
+    # rendezvous store at master_addr:master_port (torchrun's MASTER_ADDR / MASTER_PORT). None: all.
+    tensor_parallel_local_ranks: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: any free port (every rank is local)
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -141,6 +150,23 @@ class EngineArgs:
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        local = self.tensor_parallel_local_ranks
+        if local is not None and not (isinstance(local, int) and 1 <= local <= self.tensor_parallel_size):
+            raise InvalidRequestError(
+                f"tensor_parallel_local_ranks: must be in 1..tensor_parallel_size, got {local!r}",
+                param="tensor_parallel_local_ranks",
+            )
+        if local is not None and local < self.tensor_parallel_size and not self.master_port:
+            raise InvalidRequestError(
+                "master_port: ranks on other nodes need a fixed rendezvous port (MASTER_PORT)",
+                param="master_port",
+            )
+        timeout = self.distributed_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise InvalidRequestError(
+                f"distributed_timeout_s: must be a number > 0, got {timeout!r}", param="distributed_timeout_s"
+            )
         # Fail on bad scheduler / cache values (and an unreadable step-time model) before any weights load.
         self.scheduler_config(SchedulerConfig.max_model_len)
         if self.step_time_model is not None:

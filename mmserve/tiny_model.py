@@ -5,6 +5,7 @@ Owns the presets, a locally trained byte-level BPE tokenizer and the chat templa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -182,9 +183,11 @@ def tokenizer_config(tok: Tokenizer) -> dict:
     }  # fmt: skip
 
 
-def build_config(arch: str, preset: str | Preset, tok_ids: dict[str, int], vocab_size: int) -> PreTrainedConfig:
+def build_config(
+    arch: str, preset: str | Preset, tok_ids: dict[str, int], vocab_size: int, **preset_fields: int
+) -> PreTrainedConfig:
     """The transformers config for (arch, preset); `tok_ids` maps special token -> id."""
-    p = PRESETS[preset] if isinstance(preset, str) else preset
+    p = dataclasses.replace(PRESETS[preset] if isinstance(preset, str) else preset, **preset_fields)
     head_dim = p.hidden // p.heads
     text = dict(
         vocab_size=vocab_size, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
@@ -256,15 +259,25 @@ def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen2_vl", preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight checkpoint of `arch` to `out_dir` and return the path; same seed -> same bytes."""
+def make_tiny_model(
+    out_dir: str | Path,
+    arch: str = "qwen2_vl",
+    preset: str = "tiny",
+    seed: int = 0,
+    vocab_multiple: int = 64,
+    **preset_fields: int,
+) -> Path:
+    """Write a random-weight checkpoint of `arch` to `out_dir` and return the path; same seed -> same bytes.
+
+    `vocab_multiple`: the embedding rows are the tokenizer's padded to a multiple of this (Qwen pads;
+    1 keeps an odd vocabulary). `preset_fields` override the preset's (e.g. kv_heads=1, bpe_vocab=4031)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if preset not in PRESET_NAMES:
         raise ValueError(f"preset must be one of {PRESET_NAMES}, got {preset!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    p = PRESETS[preset]
+    p = dataclasses.replace(PRESETS[preset], **preset_fields)
 
     tok = build_tokenizer(p.bpe_vocab)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -272,8 +285,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2_vl", preset: str = "
     write_json(out / "tokenizer_config.json", tokenizer_config(tok))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
-    vocab_size = -(-tok.get_vocab_size() // 64) * 64  # padded rows past the tokenizer, as Qwen has
-    config = build_config(arch, preset, ids, vocab_size)
+    vocab_size = -(-tok.get_vocab_size() // vocab_multiple) * vocab_multiple  # padded rows, as Qwen has
+    config = build_config(arch, preset, ids, vocab_size, **preset_fields)
     torch.manual_seed(seed)
     model = model_class(arch)(config).eval()
     # Padded ids cannot be detokenized and a generated <|image_pad|> would read as a placeholder, so of the rows

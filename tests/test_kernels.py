@@ -212,7 +212,7 @@ def test_rms_norm_fused_fp32_path_matches_transformers_formula(rows: int) -> Non
 def test_linear_cpu_transposed_product_matches_f_linear(rows: int, bias: bool) -> None:
     """The decoder's Linear runs few-row products as (W @ x^T)^T on the CPU; same result as F.linear
     (a column-major view for those rows: callers must not rely on contiguity)."""
-    from mmserve.models.qwen2 import Linear
+    from mmserve.models.parallel import Linear
 
     torch.manual_seed(0)
     layer = Linear(96, 160, bias=bias)

@@ -65,15 +65,26 @@ class VisionTower:
 
 @dataclass(frozen=True, eq=False)
 class EncoderInput:
-    """Preprocessed pixels of one media item, patch rows in (t, h, w) order.
+    """Preprocessed pixels of one media item (or of some of its temporal groups), patch rows in
+    (t, h, w) order; `grid_thw` is the whole item's grid.
 
-    pixel_values: [t * h * w, patch_dim]; temporal group g owns rows [g * h * w, (g + 1) * h * w).
+    pixel_values: [groups held * h * w, patch_dim]; temporal group g (first_group <= g) owns rows
+    [(g - first_group) * h * w, (g - first_group + 1) * h * w). A tensor-parallel rank is sent only
+    the groups it encodes (`first_group` > 0 then).
     """
 
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
+    first_group: int = 0
 
     def groups(self, first: int, last: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Patch rows and grid of temporal groups first..last (inclusive)."""
         _, h, w = self.grid_thw
-        return self.pixel_values[first * h * w : (last + 1) * h * w], (last - first + 1, h, w)
+        held = self.pixel_values.shape[0] // (h * w)
+        if first < self.first_group or last >= self.first_group + held:
+            raise ValueError(
+                f"temporal groups {first}..{last} are not held (groups {self.first_group}.."
+                f"{self.first_group + held - 1} are)"
+            )
+        a, b = (first - self.first_group) * h * w, (last + 1 - self.first_group) * h * w
+        return self.pixel_values[a:b], (last - first + 1, h, w)

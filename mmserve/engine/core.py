@@ -7,7 +7,8 @@ checkpoint: device, dtype, KV pool size, context limit.
 
 Faults: a request whose inputs fail to build fails alone; a step that fails on the device fails the
 requests it touched (and those part-way into their media); any other step error fails every request
-in flight. The core goes on in all three cases. `EngineLoopKilled` (tests) escapes on purpose.
+in flight. The core goes on in all three cases. `EngineFatalError` (a tensor-parallel rank died, hung
+or left lockstep) and `EngineLoopKilled` (tests) escape: the engine cannot go on.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import torch
 
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from mmserve.engine.executor import Executor, InProcessExecutor
-from mmserve.engine.faults import StepFault
+from mmserve.engine.faults import EngineFatalError, StepFault
 from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.models.config import DecoderConfig
+from mmserve.models.parallel import check_tensor_parallel
 from mmserve.request import Request, RequestStatus
 from mmserve.scheduler.scheduler import Scheduler, SchedulerStats
 from mmserve.scheduler.step_time import StepFeatures
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_CACHE_MEMORY = 2 << 30  # default KV pool on CPU when neither blocks nor memory are given
 _GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after the weights load
 _FAILED = "the request failed inside the engine"
@@ -47,7 +49,10 @@ class EngineCore:
         self.args = args
         self.model_config, self.hf_config = DecoderConfig.from_pretrained(args.model)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _DTYPES[args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")]
+        dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = DTYPES[dtype_name]
+        self.tensor_parallel_size = args.tensor_parallel_size
+        check_tensor_parallel(self.model_config, self.tensor_parallel_size)  # before any rank starts
         num_blocks = self._num_kv_blocks()
         max_model_len = min(
             args.max_model_len or self.model_config.max_position_embeddings,
@@ -56,16 +61,30 @@ class EngineCore:
         )
         self.scheduler_config: SchedulerConfig = args.scheduler_config(max_model_len)
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        runner = ModelRunner(
-            args.model,
-            self.model_config,
-            self.device,
-            self.dtype,
-            num_blocks,
-            args.block_size,
-            self.hf_config,
-        )
-        self.executor: Executor = InProcessExecutor(runner)
+        self.executor: Executor
+        if self.tensor_parallel_size == 1:
+            runner = ModelRunner(
+                args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config
+            )
+            self.executor = InProcessExecutor(runner)
+        else:
+            from mmserve.engine.multirank_executor import MultiRankExecutor
+
+            self.executor = MultiRankExecutor(
+                args.model,
+                self.model_config,
+                self.hf_config,
+                self.device,
+                dtype_name,
+                self.dtype,
+                num_blocks,
+                args.block_size,
+                self.tensor_parallel_size,
+                args.distributed_timeout_s,
+                host=args.master_addr,
+                port=args.master_port,
+                num_local_ranks=args.tensor_parallel_local_ranks,
+            )
         # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
         # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
         self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
@@ -75,7 +94,9 @@ class EngineCore:
         return self.scheduler_config.max_model_len
 
     def info(self) -> EngineInfo:
-        block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, self.args.block_size, self.dtype)
+        block_bytes = ModelRunner.kv_bytes_per_block(
+            self.model_config, self.args.block_size, self.dtype, self.tensor_parallel_size
+        )
         return EngineInfo(
             model=str(self.args.model),
             max_model_len=self.max_model_len,
@@ -86,6 +107,7 @@ class EngineCore:
             block_size=self.args.block_size,
             num_kv_blocks=self.cache_config.num_blocks,
             kv_cache_bytes=block_bytes * self.cache_config.num_blocks,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def add_request(self, request: Request) -> None:
@@ -114,6 +136,8 @@ class EngineCore:
                 self.executor.reset_encoder_cache()
                 return EngineCoreOutputs(tuple(scheduler.fail_step(fault.request_ids, _FAILED)), scheduler.stats())
             outputs = scheduler.update(plan, runner_output)
+        except EngineFatalError:
+            raise
         except Exception:  # state unknown: every request in flight fails, not the engine
             logger.exception("engine step failed; failing the requests in flight")
             scheduler.forget_cached_state()
@@ -135,6 +159,7 @@ class EngineCore:
                 features.context_tokens,
                 runner_output.forward_s,
                 runner_output.sampling_s,
+                runner_output.comm_bytes,
             )
         return EngineCoreOutputs(tuple(outputs), scheduler.stats(), record)
 
@@ -168,16 +193,26 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self._scheduler.stats()
 
+    def check_health(self) -> None:
+        """Raises `EngineFatalError` if a worker (a tensor-parallel rank) is gone; cheap, call it often."""
+        self.executor.check_health()
+
+    def close(self) -> None:
+        """Stop the workers (tensor-parallel ranks); the core is unusable after."""
+        self.executor.close()
+
     def _num_kv_blocks(self) -> int:
         args = self.args
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
-        block_bytes = ModelRunner.kv_bytes_per_block(self.model_config, args.block_size, self.dtype)
+        block_bytes = ModelRunner.kv_bytes_per_block(
+            self.model_config, args.block_size, self.dtype, self.tensor_parallel_size
+        )
         memory = args.kv_cache_memory
         if memory is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                weight_bytes = _approx_weight_bytes(self.model_config, self.dtype)
+                weight_bytes = _approx_weight_bytes(self.model_config, self.dtype) // self.tensor_parallel_size
                 memory = int((free - weight_bytes) * _GPU_KV_CACHE_FRACTION)
             else:
                 # No more than every sequence at full length needs, capped by a fixed budget.

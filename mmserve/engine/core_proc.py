@@ -104,6 +104,7 @@ class CoreServer:
             if now >= self._next_liveness:
                 self._next_liveness = now + _LIVENESS_EVERY_S
                 self._reap_dead_clients()
+                self.core.check_health()  # a dead tensor-parallel rank ends the core, also when idle
             t2 = clock()
             self.io_s += t2 - t1
             if self.core.has_unfinished_requests():
@@ -278,6 +279,7 @@ def run_engine_core(
         finally:
             for client in server.clients.values():
                 client.socket.close(linger=1000)
+            core.close()  # no tensor-parallel rank outlives the core
     finally:
         socket.close(linger=0)
         if own_context:

@@ -1,7 +1,8 @@
 """How the engine core reaches the model: an executor runs a plan and returns the sampled tokens.
 
 The core talks to the workers only through this interface. `InProcessExecutor` runs the model runner
-in the core's own process; a multi-rank executor (tensor parallelism) implements the same methods.
+in the core's own process; `MultiRankExecutor` (`multirank_executor.py`, tensor parallelism) runs the
+first rank there and the others in their own processes, behind the same methods.
 """
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ class Executor(Protocol):
         """(requests the workers keep state for, their encoder-cache keys): for leak checks."""
         ...
 
+    def check_health(self) -> None:
+        """Raises `EngineFatalError` if a worker is gone (called between steps, also when idle)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the workers and release what they hold; the executor is unusable after."""
+        ...
+
 
 class InProcessExecutor:
     def __init__(self, runner: ModelRunner) -> None:
@@ -44,20 +53,16 @@ class InProcessExecutor:
         self._runner.reset_encoder_cache()
 
     def inject_faults(self, action: str, request_ids: tuple[str, ...] = ()) -> None:
-        faults = self._runner.faults
-        if action == "fail_requests":
-            faults.fail_requests(request_ids)
-        elif action == "fail_next_step":
-            faults.fail_next_step()
-        elif action == "kill_loop":
-            faults.kill_loop()
-        elif action == "clear":
-            faults.clear()
-        else:
-            raise ValueError(f"unknown fault action {action!r}")
+        self._runner.faults.apply(action, request_ids)
 
     def attention_backend(self) -> str:
         return self._runner.backend.name
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         return self._runner.held_state()
+
+    def check_health(self) -> None:
+        return None  # the runner lives in this thread: nothing can die apart from it
+
+    def close(self) -> None:
+        return None

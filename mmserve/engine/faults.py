@@ -33,12 +33,27 @@ class EngineLoopKilled(BaseException):  # a BaseException on purpose: no `except
 
 class StepFault(Exception):
     """A batched step raised after device work began; KV writes and encoder outputs of the step are
-    indeterminate. `request_ids`: every request the step touched (scheduled tokens or encoder work)."""
+    indeterminate. `request_ids`: every request the step touched (scheduled tokens or encoder work).
 
-    def __init__(self, request_ids: frozenset[str], cause: BaseException) -> None:
+    `ranks_agree`: every tensor-parallel rank raised it at the same point of the step (a plan that
+    contradicts the earlier ones, an injected fault, media that failed to encode on some rank), so the
+    ranks are still in lockstep and the engine can go on. Always true with one rank."""
+
+    def __init__(self, request_ids: frozenset[str], cause: BaseException, ranks_agree: bool = True) -> None:
         super().__init__(f"a step over {len(request_ids)} requests failed: {type(cause).__name__}")
         self.request_ids = request_ids
+        self.ranks_agree = ranks_agree
         self.__cause__ = cause
+
+
+class EncoderFailed(RuntimeError):
+    """Some rank failed to encode its share of a step's media; raised on every rank after the
+    embeddings' all-gather (which carries each rank's status), so all of them fail the step alike."""
+
+
+class EngineFatalError(Exception):
+    """The engine cannot go on: a tensor-parallel rank died, hung past the collective timeout, or failed
+    where the ranks may have left lockstep. The engine core lets it escape; its process exits non-zero."""
 
 
 class FaultInjector:
@@ -77,6 +92,20 @@ class FaultInjector:
         with self._lock:
             self._request_ids.clear()
             self._fail_step = self._kill = False
+
+    def apply(self, action: str, request_ids: Iterable[str] = ()) -> None:
+        """One of the calls above by name (what crosses processes): "fail_requests" | "fail_next_step"
+        | "kill_loop" | "clear"."""
+        if action == "fail_requests":
+            self.fail_requests(request_ids)
+        elif action == "fail_next_step":
+            self.fail_next_step()
+        elif action == "kill_loop":
+            self.kill_loop()
+        elif action == "clear":
+            self.clear()
+        else:
+            raise ValueError(f"unknown fault action {action!r}")
 
     # -- called by the model runner ------------------------------------------------------------------
     def check_request(self, request_id: str) -> None:

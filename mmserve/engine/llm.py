@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
-from mmserve.engine.faults import RequestFailedError
+from mmserve.engine.faults import EngineFatalError, RequestFailedError
 from mmserve.engine.loader import load_engine
 from mmserve.engine.messages import StepRecord
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
@@ -70,6 +70,18 @@ class LLM:
         self._request_counter = itertools.count()
         # Every executed step's record, in order, as the core emits them (benchmarks read and clear it).
         self.step_records: deque[StepRecord] = deque(maxlen=_STEP_RECORDS)
+        self._dead: str | None = None
+
+    def close(self) -> None:
+        """Stop the engine's workers (tensor-parallel ranks); idempotent. The LLM is unusable after."""
+        self._dead = self._dead or "the LLM is closed"
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
@@ -107,6 +119,16 @@ class LLM:
         return self.engine.stats()
 
     def _run(self, requests: list[tuple[Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            return self._generate(requests, use_tqdm)
+        except EngineFatalError as exc:  # a rank died or hung: the engine cannot go on
+            self._dead = f"the engine died: {exc}"
+            self.engine.close()
+            raise EngineDeadError(self._dead) from exc
+
+    def _generate(self, requests: list[tuple[Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         outputs = OutputProcessor(self.tokenizer, self.engine.scheduler_config.class_slo)
         order = {request.request_id: i for i, (request, _) in enumerate(requests)}
         added = []

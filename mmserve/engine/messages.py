@@ -27,6 +27,7 @@ class StepRecord:
     num_context_tokens: int = 0  # sum over scheduled requests of (cached + new) tokens attended to
     forward_duration_s: float = 0.0  # of duration_s: decoder forward + logits (batch building included)
     sampling_duration_s: float = 0.0  # of duration_s: sampling and the host copy of its results
+    comm_bytes: int = 0  # bytes the first tensor-parallel rank put into collectives (0 with one rank)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class EngineInfo:
     attention_backend: str
     block_size: int
     num_kv_blocks: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int  # on each rank
+    tensor_parallel_size: int = 1
 
     @property
     def num_kv_tokens(self) -> int:
@@ -80,10 +82,14 @@ class EngineInfo:
         """Requests of max_model_len tokens the KV pool holds at once."""
         return self.num_kv_tokens / self.max_model_len
 
+    @property
+    def _ranks(self) -> str:
+        return f" x {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
+
     def banner(self) -> str:
         return (
-            f"engine: {self.dtype} on {self.device} (attention: {self.attention_backend}); KV pool "
+            f"engine: {self.dtype} on {self.device}{self._ranks} (attention: {self.attention_backend}); KV pool "
             f"{self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} tokens, "
-            f"{self.kv_cache_bytes / 2**20:.1f} MiB; max_model_len {self.max_model_len}: "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB{' per rank' if self.tensor_parallel_size > 1 else ''}; max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f}x concurrency at full length"
         )

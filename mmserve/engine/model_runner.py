@@ -6,10 +6,16 @@ Plans are incremental: the runner keeps each running request's token ids, block 
 
 Fault attribution: each request's inputs are built on the host before any device work; a request whose
 inputs fail to build is left out of the step (`ModelRunnerOutput.failed`) and the rest runs. An exception
-once device work has begun is raised as `StepFault` naming every request of the step."""
+once device work has begun is raised as `StepFault` naming every request of the step.
+
+Tensor parallelism: each rank runs one runner over its shard of the decoder (`tp`), on the same plans;
+every rank builds the same inputs, and only the first rank samples. The vision tower runs in data mode:
+replicated weights, the step's encoder work split over the ranks (`encoder_split`), the embeddings
+all-gathered with each rank's status, so a failed encode fails the step on every rank alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,13 +24,16 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from mmserve.distributed.group import TensorParallelGroup
 from mmserve.encoders.vision import VisionTower
-from mmserve.engine.faults import FaultInjector, StepFault
+from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
+from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import Sampler, SamplingMetadata
 from mmserve.kernels.dispatch import get_attention_backend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
 from mmserve.models.loader import load_decoder_weights
+from mmserve.models.parallel import kv_head_range
 from mmserve.models.qwen2 import MRotaryEmbedding, Qwen2Decoder
 from mmserve.scheduler.output import EncoderWork, FailedRequest, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduler.plan_state import RequestStates, StepView
@@ -51,11 +60,13 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         hf_config: PretrainedConfig | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
+        self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
         with torch.device("meta"):
-            model = Qwen2Decoder(cfg, self.backend)
+            model = Qwen2Decoder(cfg, self.backend, tp)
         model = model.to_empty(device="cpu")
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -63,8 +74,9 @@ class ModelRunner:
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
-        # One pool per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One pool per layer, this rank's KV heads: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        _, num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
+        shape = (2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
         self.requests = RequestStates()  # what the plans so far have sent of each running request
@@ -74,8 +86,10 @@ class ModelRunner:
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
 
     @staticmethod
-    def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes one KV block takes on each rank (each holds its KV heads; replicated ones count whole)."""
+        num_kv_heads = max(1, cfg.num_kv_heads // tp_size)
+        return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -88,12 +102,21 @@ class ModelRunner:
         except ValueError as exc:  # a plan that contradicts the ones before it: nothing can be trusted
             raise StepFault(frozenset(s.request_id for s in plan.scheduled), exc) from exc
         views, rows, failed = self._build_rows(views)
-        try:
+        touched = frozenset({v.request_id for v in views} | {f.request_id for f in failed})
+        try:  # the requests left out fail with the step: nothing reports them now
             self.faults.check_step()
-            return self._execute(plan, views, rows, tuple(failed))
-        except Exception as exc:  # the requests left out fail with the step: nothing reports them now
-            touched = {v.request_id for v in views} | {f.request_id for f in failed}
-            raise StepFault(frozenset(touched), exc) from exc
+            self.tp.take_stats()
+            out = self._execute(plan, views, rows, tuple(failed))
+            if self.tp.world_size == 1:
+                return out
+            comm = self.tp.take_stats()
+            return dataclasses.replace(
+                out, comm_bytes=comm.all_reduce_bytes + comm.all_gather_bytes + comm.gather_bytes
+            )
+        except (InjectedFault, EncoderFailed) as exc:  # raised alike on every rank, before or between collectives
+            raise StepFault(touched, exc) from exc
+        except Exception as exc:  # with several ranks, they may now be at different collectives
+            raise StepFault(touched, exc, ranks_agree=self.tp.world_size == 1) from exc
 
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
@@ -151,9 +174,12 @@ class ModelRunner:
         forward_start = time.perf_counter()
         batch = self._prepare(views, rows)
         hidden = self.model(batch, self.kv_caches, self._embeddings(views, batch))  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab] fp32
-        sampling_start = time.perf_counter()
         sampled = [v for v in views if v.scheduled.sample]
+        # [num_sampled, vocab] fp32 on the first rank; None on the others (and when nothing samples)
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampled else None
+        sampling_start = time.perf_counter()
+        if logits is None:  # a prefill chunk that samples nothing, or a rank that does not sample
+            return ModelRunnerOutput((), (), (), failed, encoder_s, sampling_start - forward_start, 0.0)
         metadata = SamplingMetadata.from_params(
             [v.state.data.sampling_params for v in sampled], [v.num_output_tokens for v in sampled], self.device
         )
@@ -187,20 +213,48 @@ class ModelRunner:
         )
 
     def _run_encoder(self, work: tuple[EncoderWork, ...]) -> None:
-        """Encode the planned temporal groups; consecutive groups of one item go in one call."""
-        i = 0
-        while i < len(work):
-            mm, first = work[i].mm_input, work[i].group
-            j = i + 1
-            while j < len(work) and work[j].mm_input is mm and work[j].group == first + (j - i):
-                j += 1
-            if self.vision is None:
-                raise ValueError("this model has no vision tower, but a request carries media")
-            pixels, grid = mm.data.groups(first, first + j - i - 1)
-            embeds = self.vision.encode(pixels, grid)  # [groups * tokens_per_group, hidden]
-            for k, chunk in enumerate(embeds.split(mm.tokens_per_group)):
-                self.encoder_cache[(mm.mm_hash, first + k)] = chunk
-            i = j
+        """Encode the planned temporal groups; consecutive groups of one item go in one call. With
+        several ranks each encodes its share and every rank caches all of the step's embeddings."""
+        if not work:
+            return
+        if self.tp.world_size == 1:
+            for run in encoder_runs(work):
+                self._cache_run(run, self._encode_run(run))
+            return
+        shares = split_encoder_work(work, self.tp.world_size)
+        mine: torch.Tensor | None = None
+        status = torch.zeros(1, dtype=torch.int32)
+        try:
+            outputs = [self._encode_run(run) for run in shares[self.tp.rank]]
+            mine = torch.cat(outputs) if outputs else None
+        except Exception:  # every rank learns of it from the status it gathers, and fails the step alike
+            logger.exception("rank %d failed to encode its share of the step's media", self.tp.rank)
+            status[0] = 1
+        width = max(sum(run.num_tokens for run in share) for share in shares)
+        padded = torch.zeros(width, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        if mine is not None and status[0] == 0:
+            padded[: mine.shape[0]] = mine
+        statuses = self.tp.all_gather(status)
+        gathered = self.tp.all_gather(padded)  # [world_size] x [width, hidden]
+        failed_ranks = [rank for rank, s in enumerate(statuses) if int(s[0])]
+        if failed_ranks:
+            raise EncoderFailed(f"ranks {failed_ranks} failed to encode their share of the step's media")
+        for share, embeds in zip(shares, gathered, strict=True):
+            row = 0
+            for run in share:
+                self._cache_run(run, embeds[row : row + run.num_tokens])
+                row += run.num_tokens
+
+    def _encode_run(self, run: EncoderRun) -> torch.Tensor:
+        """-> [run.num_tokens, hidden] embeddings."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower, but a request carries media")
+        pixels, grid = run.mm_input.data.groups(run.first, run.first + run.count - 1)
+        return self.vision.encode(pixels, grid)
+
+    def _cache_run(self, run: EncoderRun, embeds: torch.Tensor) -> None:
+        for k, chunk in enumerate(embeds.split(run.mm_input.tokens_per_group)):
+            self.encoder_cache[(run.mm_input.mm_hash, run.first + k)] = chunk
 
     def _embeddings(self, views: list[StepView], batch: ForwardBatch) -> torch.Tensor | None:
         """Token embeddings with media embeddings spliced over their placeholder rows, or None when

@@ -1,6 +1,8 @@
-"""Loads a decoder's weights from a Hugging Face checkpoint directory (`*.safetensors`, sharded or
-not), accepting both key layouts: transformers 5.x (`model.language_model.*`) and the older hub one
-(`model.*`). Vision tower keys are left to the encoder loader."""
+"""Loads a decoder's weights (one tensor-parallel rank's slices of them) from a Hugging Face checkpoint
+directory (`*.safetensors`, sharded or not), accepting both key layouts: transformers 5.x
+(`model.language_model.*`) and the older hub one (`model.*`), with q/k/v and gate/up stored apart or
+already fused. Each layer says which slice it holds (`models/parallel.py`); only those bytes are read.
+Vision tower keys are left to the encoder loader."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from mmserve.models.qwen2 import Qwen2Decoder
 
-# Checkpoint name (after prefix normalisation) -> (our parameter, shard index) for fused projections.
+# Checkpoint name (after prefix normalisation) -> (our module, part index) for fused projections.
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -20,6 +23,7 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 _VISION = re.compile(r"^(model\.)?visual\.")
 
 
@@ -35,10 +39,21 @@ def _normalise_key(key: str) -> str | None:
     return None
 
 
+def _slice_reader(tensor_slice: object) -> object:
+    """(dim, start, length) -> that slice of a safetensors tensor, reading only its bytes."""
+
+    def read(dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(start, start + length),) if dim == 0 else (slice(None), slice(start, start + length))
+        return tensor_slice[index]  # type: ignore[index]
+
+    return read
+
+
 def load_decoder_weights(model: Qwen2Decoder, model_dir: str | Path) -> None:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
@@ -49,46 +64,40 @@ def load_decoder_weights(model: Qwen2Decoder, model_dir: str | Path) -> None:
                     continue
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue  # some tied checkpoints store the shared matrix twice
-                tensor = f.get_tensor(key)
-                target, shard = name, None
-                parts = name.split(".")
-                if len(parts) >= 2 and parts[-2] in _FUSED:
-                    fused, shard = _FUSED[parts[-2]]
-                    target = ".".join([*parts[:-2], fused, parts[-1]])
-                if target not in params:
+                module_name, _, param_name = name.rpartition(".")
+                part = None
+                *parents, leaf = module_name.split(".")
+                if leaf in _FUSED:
+                    leaf, part = _FUSED[leaf]
+                    module_name = ".".join([*parents, leaf])
+                module = modules.get(module_name)
+                target = f"{module_name}.{param_name}"
+                if module is None or target not in params:
                     raise KeyError(f"checkpoint key {key!r} has no place in the decoder (as {target!r})")
-                _copy_into(model, params[target], tensor, name, shard)
-                loaded.add(target if shard is None else f"{target}#{shard}")
+                tensor_slice = f.get_slice(key)
+                shape = tuple(tensor_slice.get_shape())
+                _load(module, param_name, shape, _slice_reader(tensor_slice), part, key)
+                if part is None and leaf in _NUM_PARTS:  # a fused tensor fills every part at once
+                    loaded.update(f"{target}#{i}" for i in range(_NUM_PARTS[leaf]))
+                else:
+                    loaded.add(target if part is None else f"{target}#{part}")
     _check_complete(model, params, loaded)
 
 
-def _copy_into(
-    model: Qwen2Decoder, param: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None
-) -> None:
-    with torch.no_grad():
-        if shard is None:
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
-            return
-        cfg = model.cfg
-        if "qkv_proj" in name or name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
-            sizes = [
-                cfg.num_heads * cfg.head_dim,
-                cfg.num_kv_heads * cfg.head_dim,
-                cfg.num_kv_heads * cfg.head_dim,
-            ]
-        else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
-        start = sum(sizes[:shard])
-        part = param.narrow(0, start, sizes[shard])
-        if part.shape != tensor.shape:
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(part.shape)}"
-            )
-        part.copy_(tensor)
+def _load(module: nn.Module, param_name: str, shape: tuple[int, ...], read: object, part: int | None,
+          key: str) -> None:  # fmt: skip
+    load_weight = getattr(module, "load_weight", None)
+    if load_weight is None:  # a plain module (norms): replicated, loaded whole
+        param = getattr(module, param_name)
+        if tuple(param.shape) != shape:
+            raise ValueError(f"{key}: checkpoint shape {shape} != model shape {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(read(0, 0, shape[0]))  # type: ignore[operator]
+        return
+    try:
+        load_weight(param_name, shape, read, part)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 def _check_complete(model: Qwen2Decoder, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
@@ -96,9 +105,10 @@ def _check_complete(model: Qwen2Decoder, params: dict[str, torch.Tensor], loaded
     for name in params:
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
-        shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 0
-        if shards:
-            missing += [f"{name}#{i}" for i in range(shards) if f"{name}#{i}" not in loaded]
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        parts = _NUM_PARTS.get(module, 0)
+        if parts:
+            missing += [f"{name}#{i}" for i in range(parts) if f"{name}#{i}" not in loaded]
         elif name not in loaded:
             missing.append(name)
     if missing:

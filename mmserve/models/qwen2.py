@@ -8,9 +8,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.distributed.group import TensorParallelGroup
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
+from mmserve.models.parallel import (
+    ColumnParallelLinear,
+    OutputPart,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_head_range,
+    split_evenly,
+)
 
 
 class RMSNorm(nn.Module):
@@ -27,30 +37,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-# Row counts for which Linear computes (W @ x^T)^T on the CPU: decode-sized batches.
-_CPU_TRANSPOSED_MAX_ROWS = 128
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose products of few rows run as (W @ x^T)^T on the CPU:
-    MKL computes that orientation 1.2-3x faster for 4-128 rows of this model's shapes (a decode batch),
-    and about as fast from 256 rows on (docs/benchmarks.md). The result equals x @ W^T up to float
-    rounding order. Other devices and larger batches use F.linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _CPU_TRANSPOSED_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        # [out_features, rows], the bias added inside the product rather than in a second pass
-        out_t = (
-            torch.mm(self.weight, x.t())
-            if self.bias is None
-            else torch.addmm(self.bias.unsqueeze(1), self.weight, x.t())
-        )
-        # [rows, out_features], column-major: every consumer (split + view, elementwise ops, the residual
-        # add, the sampler) takes it as is, and skipping the copy makes a decode step 2-7% faster.
-        return out_t.t()
 
 
 class MRotaryEmbedding(nn.Module):
@@ -85,12 +71,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    """This rank's query heads and the KV heads they read (all of them with one rank)."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        hd = cfg.head_dim
+        first_kv, self.num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
+        self.num_heads, self.head_dim = cfg.num_heads // tp.world_size, hd
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        kv = OutputPart(cfg.num_kv_heads * hd, first_kv * hd, self.kv_size)
+        q = OutputPart(cfg.num_heads * hd, tp.rank * self.q_size, self.q_size)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=False, tp=tp)
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -114,10 +106,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        half = split_evenly(intermediate_size, tp.rank, tp.world_size, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [half, half], bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -125,12 +118,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(
         self,
@@ -145,14 +138,19 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2Decoder(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+    """One tensor-parallel rank's shard of the decoder (the whole decoder with a group of one)."""
+
+    def __init__(
+        self, cfg: DecoderConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
+        tp = tp or TensorParallelGroup.single()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -169,6 +167,6 @@ class Qwen2Decoder(nn.Module):
             x = layer(x, cos, sin, batch, kv_cache)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab] on the first rank, None on the others."""
+        return self.lm_head.logits(hidden)

@@ -126,6 +126,7 @@ class ModelRunnerOutput:
     encoder_s: float = 0.0
     forward_s: float = 0.0  # decoder forward + logits
     sampling_s: float = 0.0
+    comm_bytes: int = 0  # tensor parallelism: bytes this rank put into collectives in the step
 
 
 @dataclass(frozen=True)
