@@ -1,0 +1,1 @@
+"""Tensor parallelism: the group a model shard runs in and its collectives."""
