@@ -106,6 +106,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     _add_bench_serve_parser(bench_sub)
     _add_bench_profile_parser(bench_sub)
+    _add_bench_tensor_parallel_parser(bench_sub)
     bench_sub.add_parser(
         "kernels",
         help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
@@ -123,6 +124,8 @@ def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
         return _bench_profile(args)
     if args.bench_command == "serve":
         return _bench_serve(args)
+    if args.bench_command == "tensor-parallel":
+        return _bench_tensor_parallel(args)
     return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
 
 
@@ -369,6 +372,78 @@ def _add_bench_profile_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step of the sweep")
     p.add_argument("--quick", action="store_true", help="a few small shapes: a smoke run")
+
+
+def _add_bench_tensor_parallel_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "tensor-parallel", help="decode step time and collective bytes per step at TP sizes side by side"
+    )
+    p.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory (default: the qwen2 bench preset)"
+    )
+    p.add_argument(
+        "--tensor-parallel-sizes", default="1,2", help="comma-separated; every engine is built once"
+    )
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated: requests decoding together")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=128,
+        help="max_tokens (ignore_eos): output-len - 1 decode steps a run",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="each round runs every concurrency on every TP size, in turn"
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write tensor_parallel.json (and its PNG) here")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _bench_tensor_parallel(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from mmserve.bench.tensor_parallel import (
+        TensorParallelBench,
+        bench_tensor_parallel,
+        default_model,
+        format_report,
+        plot_tensor_parallel,
+    )
+
+    try:
+        cfg = TensorParallelBench(
+            tensor_parallel_sizes=_int_list(args.tensor_parallel_sizes), concurrency=_int_list(args.concurrency),
+            input_len=args.input_len, output_len=args.output_len, rounds=args.rounds,
+            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    try:
+        report = bench_tensor_parallel(
+            args.model or default_model(), cfg, args.out, progress=not args.no_progress
+        )
+    except ValueError as exc:  # e.g. a TP size the checkpoint's heads do not split over
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.out is not None:
+        print(f"wrote {args.out / 'tensor_parallel.json'}")
+        if args.no_plot:
+            pass
+        elif importlib.util.find_spec("matplotlib") is None:
+            print("no plot: matplotlib is not installed (pip install 'mmserve[bench]')")
+        else:
+            for path in plot_tensor_parallel(report, args.out):
+                print(f"wrote {path}")
+    return 0
 
 
 def _bench_profile(args: argparse.Namespace) -> int:

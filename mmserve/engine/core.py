@@ -108,6 +108,7 @@ class EngineCore:
             num_kv_blocks=self.cache_config.num_blocks,
             kv_cache_bytes=block_bytes * self.cache_config.num_blocks,
             tensor_parallel_size=self.tensor_parallel_size,
+            weight_bytes=self.executor.weight_bytes(),
         )
 
     def add_request(self, request: Request) -> None:

@@ -29,6 +29,10 @@ class Executor(Protocol):
     def attention_backend(self) -> str:
         ...
 
+    def weight_bytes(self) -> int:
+        """Bytes of model weights each rank holds (the first rank's)."""
+        ...
+
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """(requests the workers keep state for, their encoder-cache keys): for leak checks."""
         ...
@@ -57,6 +61,9 @@ class InProcessExecutor:
 
     def attention_backend(self) -> str:
         return self._runner.backend.name
+
+    def weight_bytes(self) -> int:
+        return self._runner.weight_bytes()
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         return self._runner.held_state()

@@ -72,6 +72,7 @@ class EngineInfo:
     num_kv_blocks: int
     kv_cache_bytes: int  # on each rank
     tensor_parallel_size: int = 1
+    weight_bytes: int = 0  # on each rank
 
     @property
     def num_kv_tokens(self) -> int:
@@ -86,10 +87,15 @@ class EngineInfo:
     def _ranks(self) -> str:
         return f" x {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
 
+    @property
+    def _per_rank(self) -> str:
+        return " per rank" if self.tensor_parallel_size > 1 else ""
+
     def banner(self) -> str:
         return (
             f"engine: {self.dtype} on {self.device}{self._ranks} (attention: {self.attention_backend}); KV pool "
             f"{self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} tokens, "
-            f"{self.kv_cache_bytes / 2**20:.1f} MiB{' per rank' if self.tensor_parallel_size > 1 else ''}; max_model_len {self.max_model_len}: "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB{self._per_rank}; weights {self.weight_bytes / 2**20:.1f} MiB"
+            f"{self._per_rank}; max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f}x concurrency at full length"
         )

@@ -121,6 +121,12 @@ class ModelRunner:
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights this rank holds: its decoder shard, plus the whole vision tower."""
+        modules = [self.model] + ([self.vision.model] if self.vision is not None else [])
+        unique = {id(p): p for m in modules for p in m.parameters()}  # tied weights once
+        return sum(p.numel() * p.element_size() for p in unique.values())
+
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """(requests whose plan state is kept, the encoder cache's keys)."""
         return len(self.requests), list(self.encoder_cache)

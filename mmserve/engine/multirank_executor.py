@@ -78,6 +78,7 @@ class MultiRankExecutor:
         if world_size < 2:
             raise ValueError("MultiRankExecutor needs at least 2 ranks")
         self.world_size = world_size
+        self._timeout_s = timeout_s
         self._procs: list[subprocess.Popen] = []
         self._context = zmq.Context()
         self._dead: str | None = None
@@ -156,7 +157,12 @@ class MultiRankExecutor:
         except StepFault as fault:
             if fault.ranks_agree:
                 raise
-            self._dead = f"a tensor-parallel step failed: {type(fault.__cause__).__name__}: {fault.__cause__}"
+            self._check_processes_quietly()
+            cause = fault.__cause__
+            self._dead = self._dead or (
+                f"a tensor-parallel step failed where the ranks may have left lockstep (a rank died, or hung past "
+                f"distributed_timeout_s={self._timeout_s:g}): {type(cause).__name__}: {cause}"
+            )
             raise EngineFatalError(self._dead) from fault
 
     def reset_encoder_cache(self) -> None:
@@ -169,6 +175,9 @@ class MultiRankExecutor:
 
     def attention_backend(self) -> str:
         return self._runner.backend.name
+
+    def weight_bytes(self) -> int:
+        return self._runner.weight_bytes()
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """Over every rank: the most requests any keeps state for, and the union of encoder keys."""
@@ -202,10 +211,7 @@ class MultiRankExecutor:
                     message = self._decoder.decode(self._reply.recv_multipart(zmq.NOBLOCK, copy=False))
                     if isinstance(message, RankFailed):
                         self._dead = f"tensor-parallel rank {message.rank} failed: {message.message}"
-            try:
-                self._check_processes()
-            except EngineFatalError as exc:
-                self._dead = str(exc)
+            self._check_processes_quietly()
         if self._dead is not None:
             raise EngineFatalError(self._dead)
 
@@ -217,12 +223,15 @@ class MultiRankExecutor:
         if self._dead is None and hasattr(self, "_plan_encoder"):
             with contextlib.suppress(Exception):
                 self._send_control(StopRank())
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
+            deadline = time.monotonic() + _STOP_TIMEOUT_S
+        else:  # a dead engine: the ranks may be stuck in a collective (or stopped); nothing is asked
+            deadline = time.monotonic()
         for proc in self._procs:
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.warning("tensor-parallel rank (pid %d) did not stop: killing it", proc.pid)
+                if self._dead is None:
+                    logger.warning("tensor-parallel rank (pid %d) did not stop: killing it", proc.pid)
                 proc.kill()
                 proc.wait()
         if hasattr(self, "tp"):
@@ -243,6 +252,13 @@ class MultiRankExecutor:
         frames = self._plan_encoder.encode_control(message)
         for sock in self._plans:
             sock.send_multipart(frames, copy=False)
+
+    def _check_processes_quietly(self) -> None:
+        """Record (not raise) a rank that has exited, as the reason the engine is dead."""
+        try:
+            self._check_processes()
+        except EngineFatalError as exc:
+            self._dead = self._dead or str(exc)
 
     def _check_processes(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):

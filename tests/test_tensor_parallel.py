@@ -1,0 +1,355 @@
+"""Tensor parallelism on the CPU with 2 ranks over gloo: greedy tokens identical to TP=1 and to
+transformers' generate(), chosen-token logprobs within 1e-4 of TP=1 (fp32), for text, images, videos and
+mixed batches, a 7-token budget with preemption, and prefix caching; GQA with more ranks than KV heads,
+a vocabulary the rank count does not divide, fused checkpoint layouts, the vision tower in data mode
+with more ranks than images; faults that fail requests alike on every rank; and a killed or hung rank,
+which ends the engine (and the server, exit status 1) within a bounded time with no rank left running.
+
+Each TP engine starts one rank process (~3 s: torch and transformers import there); engines are shared
+per module, and every one is closed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mmserve import LLM
+from mmserve.engine.encoder_split import split_encoder_work
+from mmserve.engine.faults import RequestFailedError
+from mmserve.request import MultiModalInput, PlaceholderRange
+from mmserve.scheduler.output import EncoderWork
+from tests.test_mm_parity import CASES
+from tests.test_mm_parity import GREEDY as MM_GREEDY
+from tests.test_mm_parity import hf_reference as mm_reference
+from tests.test_parity import GREEDY, hf_reference, random_prompts
+
+LOGPROB_ATOL = 1e-4
+PLAIN_TOKENS = 4000  # ids below the special tokens (a random <|video_pad|> would need a video)
+TEXT_PROMPTS_LENGTHS = (1, 9, 64, 133, 257)
+
+
+def _rank_processes() -> list[psutil.Process]:
+    """Rank processes started by this process (directly: the LLM's core runs here)."""
+    return [p for p in psutil.Process().children() if "mmserve.engine.rank_worker" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[Callable[..., LLM]]:
+    """(model_dir, tp, **settings) -> one LLM per distinct key, closed after the module."""
+    made: dict[tuple, LLM] = {}
+
+    def get(model_dir: Path, tp: int, **settings: object) -> LLM:
+        key = (str(model_dir), tp, tuple(sorted(settings.items())))
+        if key not in made:
+            made[key] = LLM(model_dir, tensor_parallel_size=tp, **settings)
+        return made[key]
+
+    yield get
+    for llm in made.values():
+        llm.close()
+    assert not _rank_processes()  # every rank stopped with its engine
+
+
+def _logprobs(out: object) -> list[float]:
+    return [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]  # type: ignore[attr-defined]
+
+
+def _same(tp_outputs: list, tp1_outputs: list, expected_tokens: list[list[int]] | None = None) -> None:
+    for i, (a, b) in enumerate(zip(tp_outputs, tp1_outputs, strict=True)):
+        assert a.token_ids == b.token_ids, f"output {i} differs from TP=1"
+        if expected_tokens is not None:
+            assert a.token_ids == expected_tokens[i], f"output {i} differs from transformers"
+        assert _logprobs(a) == pytest.approx(_logprobs(b), abs=LOGPROB_ATOL)
+
+
+def _idle(llm: LLM) -> None:
+    assert all(v == 0 for v in llm.engine.leak_report().values()), llm.engine.leak_report()
+
+
+# -- text -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["qwen2", "qwen2_vl"])
+def text_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple:
+    model_dir = tiny_model_dir(request.param)
+    vocab = PLAIN_TOKENS
+    prompts = random_prompts(vocab, TEXT_PROMPTS_LENGTHS, seed=11)
+    prefix = random_prompts(vocab, (70,), seed=12)[0]
+    shared = [prefix + tail for tail in random_prompts(vocab, (3, 17), seed=13)]
+    all_prompts = prompts + shared
+    expected = [tokens for tokens, _ in hf_reference(model_dir, all_prompts)]
+    tp1 = LLM(model_dir).generate(all_prompts, GREEDY)
+    return model_dir, all_prompts, expected, tp1
+
+
+def test_text_equals_tp1_and_transformers_and_prefix_cache_hits(text_case: tuple, engines: Callable) -> None:
+    model_dir, prompts, expected, tp1 = text_case
+    llm = engines(model_dir, 2)
+    _same(llm.generate(prompts, GREEDY), tp1, expected)
+    hits = llm.stats().prefix_cache_hits
+    _same(llm.generate(prompts, GREEDY), tp1, expected)  # again: served over cached blocks on both ranks
+    assert llm.stats().prefix_cache_hits > hits
+    assert any(r.comm_bytes > 0 for r in llm.step_records)
+    _idle(llm)
+
+
+def test_seven_token_budget_with_preemption(text_case: tuple, engines: Callable) -> None:
+    model_dir, prompts, expected, tp1 = text_case
+    llm = engines(model_dir, 2, max_num_batched_tokens=7, num_kv_blocks=20, block_size=16)
+    _same(llm.generate(prompts, GREEDY), tp1, expected)
+    assert llm.stats().num_preemptions > 0
+    _idle(llm)
+
+
+# -- images and video -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def mm_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple:
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_model_dir(request.param)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tp1 = LLM(model_dir)
+    names = list(CASES)
+    expected = [mm_reference(model, model_dir, tp1, CASES[n])[0] for n in names]
+    return model_dir, names, expected, tp1.generate([CASES[n] for n in names], MM_GREEDY)
+
+
+def test_media_mixed_batch_and_each_alone(mm_case: tuple, engines: Callable) -> None:
+    model_dir, names, expected, tp1 = mm_case
+    llm = engines(model_dir, 2)
+    _same(llm.generate([CASES[n] for n in names], MM_GREEDY), tp1, expected)
+    for i, name in enumerate(names):  # one image alone: the second rank encodes nothing (data mode)
+        _same(llm.generate([CASES[name]], MM_GREEDY), [tp1[i]], [expected[i]])
+    _idle(llm)
+
+
+def test_media_under_a_budget_smaller_than_one_image(mm_case: tuple, engines: Callable) -> None:
+    model_dir, names, expected, tp1 = mm_case
+    llm = engines(model_dir, 2, max_num_batched_tokens=7, max_num_encoder_tokens=12)
+    _same(llm.generate([CASES[n] for n in names], MM_GREEDY), tp1, expected)
+    assert max(r.num_prefill_tokens + r.num_decode_tokens for r in llm.step_records) <= 7
+    assert sum(1 for r in llm.step_records if r.num_encoder_tokens) > len(names)  # media over many steps
+    _idle(llm)
+
+
+def test_media_with_preemption(mm_case: tuple, engines: Callable) -> None:
+    model_dir, names, expected, tp1 = mm_case
+    llm = engines(model_dir, 2, num_kv_blocks=10, block_size=16, max_num_batched_tokens=32)
+    chosen = [i for i, n in enumerate(names) if n in ("image_resized", "video_even", "two_images", "image_and_video")]
+    outputs = llm.generate([CASES[names[i]] for i in chosen], MM_GREEDY)
+    _same(outputs, [tp1[i] for i in chosen], [expected[i] for i in chosen])
+    assert llm.stats().num_preemptions > 0
+    _idle(llm)
+
+
+def test_faults_fail_requests_alike_on_every_rank_and_the_engine_goes_on(mm_case: tuple, engines: Callable) -> None:
+    model_dir, names, expected, tp1 = mm_case
+    llm = engines(model_dir, 2)
+    batch = [CASES[n] for n in names[:3]]
+    llm.engine.call_utility("inject_faults", ("fail_requests", ["*"]))  # inputs fail to build, on each rank
+    with pytest.raises(RequestFailedError):
+        llm.generate(batch, MM_GREEDY)
+    llm.engine.call_utility("inject_faults", ("clear",))
+    llm.engine.call_utility("inject_faults", ("fail_next_step",))  # the batched forward fails everywhere
+    with pytest.raises(RequestFailedError):
+        llm.generate(batch, MM_GREEDY)
+    _same(llm.generate(batch, MM_GREEDY), tp1[:3], expected[:3])  # still in lockstep
+    _idle(llm)
+
+
+# -- shapes that do not split evenly, and checkpoint layouts --------------------------------------------
+@pytest.fixture(scope="module")
+def odd_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One KV head (fewer than the ranks) and an odd, tied vocabulary (4045 rows over 2 ranks)."""
+    from mmserve.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-odd")
+    return make_tiny_model(out, arch="qwen2", preset="tiny", vocab_multiple=1, kv_heads=1, bpe_vocab=4031)
+
+
+def _fused_copy(model_dir: Path, out: Path) -> Path:
+    """The same checkpoint with q/k/v and gate/up stored fused (qkv_proj, gate_up_proj), as some exports do."""
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    for f in model_dir.glob("*.safetensors"):
+        state = load_file(f)
+        fused: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            for parts, name in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+                if f".{parts[0]}." in key:
+                    keys = [key.replace(f".{parts[0]}.", f".{p}.") for p in parts]
+                    fused[key.replace(f".{parts[0]}.", f".{name}.")] = torch.cat([state[k] for k in keys])
+            if not any(f".{p}." in key for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                fused[key] = tensor
+        save_file(fused, out / f.name, metadata={"format": "pt"})
+    return out
+
+
+def test_gqa_past_the_kv_heads_an_odd_vocabulary_and_a_fused_layout(
+    odd_model_dir: Path, engines: Callable, tmp_path: Path
+) -> None:
+    from mmserve.models.config import DecoderConfig
+
+    cfg = DecoderConfig.from_pretrained(odd_model_dir)[0]
+    assert cfg.num_kv_heads == 1 and cfg.vocab_size % 2 == 1 and cfg.tie_word_embeddings
+    prompts = random_prompts(PLAIN_TOKENS, (5, 40, 90), seed=21)
+    expected = [tokens for tokens, _ in hf_reference(odd_model_dir, prompts)]
+    tp1 = LLM(odd_model_dir)
+    reference = tp1.generate(prompts, GREEDY)
+    llm = engines(odd_model_dir, 2)
+    _same(llm.generate(prompts, GREEDY), reference, expected)
+    # Each rank holds half of every sharded weight (the tied vocabulary rows included).
+    assert llm.engine.info().weight_bytes < 0.6 * tp1.engine.info().weight_bytes
+    fused = _fused_copy(odd_model_dir, tmp_path / "fused")
+    with LLM(fused, tensor_parallel_size=2) as fused_llm:
+        _same(fused_llm.generate(prompts, GREEDY), reference, expected)
+
+
+def test_a_model_that_cannot_split_is_refused_before_any_rank_starts(tiny_model_dir: Callable[[str], Path]) -> None:
+    before = {p.pid for p in _rank_processes()}  # the module's shared engines
+    with pytest.raises(ValueError, match="attention heads do not split over 3"):
+        LLM(tiny_model_dir("qwen2"), tensor_parallel_size=3)
+    assert {p.pid for p in _rank_processes()} == before
+
+
+# -- the encoder's data mode ----------------------------------------------------------------------------
+def _item(name: str, tokens: int, groups: int = 1) -> MultiModalInput:
+    return MultiModalInput(name, PlaceholderRange(0, tokens * groups), "video" if groups > 1 else "image", groups)
+
+
+def test_encoder_work_splits_in_order_balanced_by_tokens() -> None:
+    one = [EncoderWork(_item("a", 64), 0)]
+    assert [len(s) for s in split_encoder_work(one, 2)] == [1, 0]  # more ranks than images: one idles
+    video = _item("v", 16, groups=8)
+    shares = split_encoder_work([EncoderWork(video, g) for g in range(8)], 2)
+    assert [(r.first, r.count) for share in shares for r in share] == [(0, 4), (4, 4)]  # two runs of 4
+    mixed = [EncoderWork(_item("big", 300), 0), EncoderWork(_item("s1", 100), 0), EncoderWork(_item("s2", 100), 0),
+             EncoderWork(_item("s3", 100), 0)]  # fmt: skip
+    tokens = [sum(r.num_tokens for r in share) for share in split_encoder_work(mixed, 2)]
+    assert tokens == [300, 300]
+    three = split_encoder_work(mixed, 3)
+    assert [w.mm_input.mm_hash for share in three for r in share for w in [r]] == ["big", "s1", "s2", "s3"]
+
+
+# -- a rank that dies or hangs --------------------------------------------------------------------------
+_DEATH_SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    import psutil
+    from mmserve import LLM, SamplingParams
+    from mmserve.errors import EngineDeadError
+
+    model_dir, how = sys.argv[1], sys.argv[2]
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    llm = LLM(model_dir, tensor_parallel_size=2, distributed_timeout_s=3.0)
+    llm.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))
+    (rank,) = [p for p in psutil.Process().children() if "rank_worker" in " ".join(p.cmdline())]
+    os.kill(rank.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        llm.generate(["hello"] * 4, sp)
+        error = None
+    except EngineDeadError as exc:
+        error = str(exc)
+    waited = time.monotonic() - start
+    try:
+        llm.generate(["again"], sp)
+        after = None
+    except EngineDeadError as exc:
+        after = str(exc)
+    llm.close()
+    time.sleep(0.2)
+    print(json.dumps({"error": error, "after": after, "waited_s": waited, "rank_gone": not psutil.pid_exists(rank.pid)
+                      or rank.status() == psutil.STATUS_ZOMBIE}))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_a_dead_or_hung_rank_ends_the_engine_within_a_bound_and_leaves_no_rank(
+    how: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _DEATH_SCRIPT, str(tiny_model_dir("qwen2")), how],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"] is not None and "rank" in result["error"], result
+    assert result["after"] is not None  # a dead engine stays dead: it never serves a rank short
+    assert result["waited_s"] < (2.0 if how == "kill" else 3.0 + 5.0), result  # the collective timeout bounds a hang
+    assert result["rank_gone"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    log = open(tmp_path / f"server-{port}.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmserve", "serve", "--model", str(model_dir), "--port", str(port),
+         "--tensor-parallel-size", "2", "--distributed-timeout-s", "5", "--data-dir", str(tmp_path / f"data-{port}")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, (tmp_path / f"server-{port}.log").read_text()[-3000:]
+        time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("the server did not become healthy")
+
+
+def _server_ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "rank_worker" in " ".join(p.cmdline())]
+
+
+def test_the_server_drains_and_stops_its_ranks_and_exits_1_when_a_rank_dies(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    model_dir = tiny_model_dir("qwen2")
+    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    proc, url = _start_server(model_dir, tmp_path)
+    try:
+        (rank,) = _server_ranks(proc)
+        response = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+        assert response.status_code == 200, response.text
+        os.kill(proc.pid, signal.SIGTERM)  # a drain: exit 0, and the rank stops with the core
+        assert proc.wait(timeout=30) == 0
+        rank.wait(timeout=10)
+    finally:
+        proc.kill()
+    proc, url = _start_server(model_dir, tmp_path)
+    try:
+        (rank,) = _server_ranks(proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)  # the core, the rank, decode workers
+        os.kill(rank.pid, signal.SIGKILL)  # the engine core notices while idle, and the server stops
+        assert proc.wait(timeout=20) == 1
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        proc.kill()
