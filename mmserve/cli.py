@@ -196,6 +196,9 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
                    help="ranks (processes) one model is split over: gloo on the CPU, NCCL on CUDA")  # fmt: skip
     g.add_argument("--distributed-timeout-s", type=float, default=300.0,
                    help="a collective waiting longer for a rank fails and the engine stops (a hung rank)")  # fmt: skip
+    g.add_argument("--mm-encoder-tp-mode", default="data", choices=["data", "weights"],
+                   help="the vision tower over the ranks: replicated, each rank encoding part of the step's "
+                   "media (data), or sharded like the decoder (weights)")  # fmt: skip
     g.add_argument("--tensor-parallel-local-ranks", type=int, default=None,
                    help="ranks started on this node (default: all); the others join from other nodes "
                    "with `python -m mmserve.engine.rank_worker` and torchrun's variables")  # fmt: skip
@@ -210,6 +213,7 @@ def parallel_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_timeout_s": args.distributed_timeout_s,
         "tensor_parallel_local_ranks": args.tensor_parallel_local_ranks,
+        "mm_encoder_tp_mode": args.mm_encoder_tp_mode,
         "master_addr": args.master_addr,
         "master_port": args.master_port,
     }

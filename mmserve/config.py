@@ -137,6 +137,9 @@ class EngineArgs:
     tensor_parallel_local_ranks: int | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: any free port (every rank is local)
+    # The vision tower over the ranks: "data" (replicated; the step's media split over the ranks) or
+    # "weights" (each block sharded like the decoder, for towers too large to replicate).
+    mm_encoder_tp_mode: str = "data"
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -151,6 +154,11 @@ class EngineArgs:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.mm_encoder_tp_mode not in ("data", "weights"):
+            raise InvalidRequestError(
+                f"mm_encoder_tp_mode: must be 'data' or 'weights', got {self.mm_encoder_tp_mode!r}",
+                param="mm_encoder_tp_mode",
+            )
         local = self.tensor_parallel_local_ranks
         if local is not None and not (isinstance(local, int) and 1 <= local <= self.tensor_parallel_size):
             raise InvalidRequestError(

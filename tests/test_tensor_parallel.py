@@ -33,7 +33,7 @@ from mmserve.engine.encoder_split import split_encoder_work
 from mmserve.engine.faults import RequestFailedError
 from mmserve.request import MultiModalInput, PlaceholderRange
 from mmserve.scheduler.output import EncoderWork
-from tests.test_mm_parity import CASES
+from tests.test_mm_parity import CASES, rng_image
 from tests.test_mm_parity import GREEDY as MM_GREEDY
 from tests.test_mm_parity import hf_reference as mm_reference
 from tests.test_parity import GREEDY, hf_reference, random_prompts
@@ -136,6 +136,14 @@ def test_media_mixed_batch_and_each_alone(mm_case: tuple, engines: Callable) -> 
     _idle(llm)
 
 
+def test_the_tower_sharded_like_the_decoder_gives_the_same_output(mm_case: tuple, engines: Callable) -> None:
+    model_dir, names, expected, tp1 = mm_case
+    llm = engines(model_dir, 2, mm_encoder_tp_mode="weights")
+    _same(llm.generate([CASES[n] for n in names], MM_GREEDY), tp1, expected)
+    assert llm.engine.info().weight_bytes < engines(model_dir, 2).engine.info().weight_bytes  # the tower split too
+    _idle(llm)
+
+
 def test_media_under_a_budget_smaller_than_one_image(mm_case: tuple, engines: Callable) -> None:
     model_dir, names, expected, tp1 = mm_case
     llm = engines(model_dir, 2, max_num_batched_tokens=7, max_num_encoder_tokens=12)
@@ -157,6 +165,7 @@ def test_media_with_preemption(mm_case: tuple, engines: Callable) -> None:
 
 def test_faults_fail_requests_alike_on_every_rank_and_the_engine_goes_on(mm_case: tuple, engines: Callable) -> None:
     model_dir, names, expected, tp1 = mm_case
+    tp1_llm = LLM(model_dir)
     llm = engines(model_dir, 2)
     batch = [CASES[n] for n in names[:3]]
     llm.engine.call_utility("inject_faults", ("fail_requests", ["*"]))  # inputs fail to build, on each rank
@@ -167,6 +176,14 @@ def test_faults_fail_requests_alike_on_every_rank_and_the_engine_goes_on(mm_case
     with pytest.raises(RequestFailedError):
         llm.generate(batch, MM_GREEDY)
     _same(llm.generate(batch, MM_GREEDY), tp1[:3], expected[:3])  # still in lockstep
+    _idle(llm)
+    # Media that fail to encode on the second rank only: every rank fails the step at the same point.
+    # (New pixels: the batch's own are in the prefix cache by now, and would not be encoded again.)
+    fresh = [{"prompt": CASES["two_images"]["prompt"], "images": [rng_image(31, 150, 100), rng_image(32, 56, 84)]}]
+    llm.engine.call_utility("inject_faults", ("fail_encode", ["1"]))
+    with pytest.raises(RequestFailedError):
+        llm.generate(fresh, MM_GREEDY)
+    assert [o.token_ids for o in llm.generate(fresh, MM_GREEDY)] == [o.token_ids for o in tp1_llm.generate(fresh, MM_GREEDY)]
     _idle(llm)
 
 
@@ -353,3 +370,33 @@ def test_the_server_drains_and_stops_its_ranks_and_exits_1_when_a_rank_dies(
         assert not alive, [p.cmdline() for p in alive]
     finally:
         proc.kill()
+
+
+_TWO_NODE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, subprocess, sys
+    from mmserve import LLM, SamplingParams
+
+    model_dir, port = sys.argv[1], int(sys.argv[2])
+    # "node 1": rank 1 started by hand with torchrun's variables, before or after node 0 comes up
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.2", MASTER_PORT=str(port))
+    rank = subprocess.Popen([sys.executable, "-m", "mmserve.engine.rank_worker"], env=env)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["a two node engine", "over tcp sockets"]
+    tp1 = [o.token_ids for o in LLM(model_dir).generate(prompts, sp)]
+    llm = LLM(model_dir, tensor_parallel_size=2, tensor_parallel_local_ranks=1, master_addr="127.0.0.2",
+              master_port=port)
+    tp2 = [o.token_ids for o in llm.generate(prompts, sp)]
+    llm.close()
+    print(json.dumps({"same": tp1 == tp2, "rank_exit": rank.wait(timeout=20)}))
+    """
+)
+
+
+def test_a_rank_from_another_node_joins_by_torchrun_variables_over_tcp(tiny_model_dir: Callable[[str], Path]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _TWO_NODE_SCRIPT, str(tiny_model_dir("qwen2")), str(_free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "rank_exit": 0}

@@ -3,6 +3,11 @@ checkpoint's weights (either key layout), encoding one or more temporal groups o
 
 Qwen2-VL / Qwen2.5-VL vision attention never crosses a temporal group, so encoding groups
 separately gives exactly the embeddings of encoding the item whole.
+
+Under tensor parallelism the tower is replicated (data mode: ranks encode different items), or, in
+weights mode, each block is sharded like the decoder (`shard_tower`): qkv and the MLP's first layer
+column-parallel by heads / features, the attention output and the MLP's last layer row-parallel with
+one all-reduce each; the patch embedding and the merger stay whole. Every rank then encodes every item.
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import PretrainedConfig
+
+from mmserve.distributed.group import TensorParallelGroup
+from mmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly
 
 _PREFIXES = ("model.visual.", "visual.")
 
@@ -33,8 +42,15 @@ def _tower_class(model_type: str) -> type[torch.nn.Module]:
 
 class VisionTower:
     def __init__(
-        self, hf_config: PretrainedConfig, model_dir: str | Path, device: torch.device, dtype: torch.dtype
+        self,
+        hf_config: PretrainedConfig,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        shard_over: TensorParallelGroup | None = None,
     ):
+        """`shard_over`: the group whose ranks each hold a shard of every block (weights mode);
+        None: the whole tower here."""
         vision_config = hf_config.vision_config
         vision_config._attn_implementation = "sdpa"  # what transformers picks for the reference model
         self.model = _tower_class(hf_config.model_type)(vision_config)
@@ -51,6 +67,8 @@ class VisionTower:
             raise ValueError(
                 f"vision tower weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
+        if shard_over is not None and shard_over.world_size > 1:
+            shard_tower(self.model, shard_over)  # on the host, before the shard alone goes to the device
         self.model.to(device=device, dtype=dtype).eval()
         self.device, self.dtype = device, dtype
         self.spatial_merge_size: int = vision_config.spatial_merge_size
@@ -61,6 +79,50 @@ class VisionTower:
         grid = torch.tensor([grid_thw], device=self.device)
         out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid)
         return out.pooler_output
+
+
+def _full_reader(tensor: torch.Tensor) -> object:
+    return lambda dim, start, length: tensor.narrow(dim, start, length)
+
+
+def _column(linear: nn.Linear, num_parts: int, tp: TensorParallelGroup, what: str) -> ColumnParallelLinear:
+    """This rank's output rows of `linear`, whose rows are `num_parts` equal parts (qkv: 3)."""
+    part = split_evenly(linear.out_features // num_parts, tp.rank, tp.world_size, what)
+    layer = ColumnParallelLinear(linear.in_features, [part] * num_parts, bias=linear.bias is not None)
+    for name in ("weight", "bias"):
+        if getattr(linear, name) is not None:
+            tensor = getattr(linear, name).detach()
+            layer.load_weight(name, tuple(tensor.shape), _full_reader(tensor), None)
+    return layer
+
+
+def _row(linear: nn.Linear, tp: TensorParallelGroup) -> RowParallelLinear:
+    layer = RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp)
+    for name in ("weight", "bias"):
+        if getattr(linear, name) is not None:
+            tensor = getattr(linear, name).detach()
+            layer.load_weight(name, tuple(tensor.shape), _full_reader(tensor), None)
+    return layer
+
+
+def shard_tower(model: nn.Module, tp: TensorParallelGroup) -> None:
+    """Replace each block's projections by this rank's shards (weights mode), in place."""
+    for block in model.blocks:  # type: ignore[union-attr]
+        attn, mlp = block.attn, block.mlp
+        if attn.num_heads % tp.world_size:
+            raise ValueError(
+                f"{attn.num_heads} vision attention heads do not split over {tp.world_size} tensor-parallel ranks"
+            )
+        attn.qkv = _column(attn.qkv, 3, tp, "vision attention width")  # [q | k | v], each by heads
+        attn.proj = _row(attn.proj, tp)
+        attn.num_heads //= tp.world_size  # the forward reshapes qkv's output by it; head_dim is unchanged
+        if hasattr(mlp, "fc1"):  # Qwen2-VL
+            mlp.fc1 = _column(mlp.fc1, 1, tp, "vision MLP width")
+            mlp.fc2 = _row(mlp.fc2, tp)
+        else:  # Qwen2.5-VL's gated MLP
+            mlp.gate_proj = _column(mlp.gate_proj, 1, tp, "vision MLP width")
+            mlp.up_proj = _column(mlp.up_proj, 1, tp, "vision MLP width")
+            mlp.down_proj = _row(mlp.down_proj, tp)
 
 
 @dataclass(frozen=True, eq=False)

@@ -84,6 +84,7 @@ class EngineCore:
                 host=args.master_addr,
                 port=args.master_port,
                 num_local_ranks=args.tensor_parallel_local_ranks,
+                mm_encoder_tp_mode=args.mm_encoder_tp_mode,
             )
         # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
         # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.

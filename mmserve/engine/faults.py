@@ -63,6 +63,8 @@ class FaultInjector:
       Ids are fnmatch patterns: "*-bad" matches every request id ending in "-bad".
     - `fail_next_step()`: the next batched forward raises (an unattributable fault).
     - `kill_loop()`: the next step raises `EngineLoopKilled`, which ends the engine loop itself.
+    - `fail_encode(ranks)`: the next media encode on those tensor-parallel ranks raises (a fault on
+      some ranks only; every rank learns of it from the embeddings' all-gather).
     """
 
     def __init__(self, request_ids: Iterable[str] = ()) -> None:
@@ -70,6 +72,7 @@ class FaultInjector:
         self._request_ids: set[str] = set(request_ids)
         self._fail_step = False
         self._kill = False
+        self._fail_encode_ranks: set[int] = set()
 
     @classmethod
     def from_env(cls) -> FaultInjector:
@@ -88,20 +91,27 @@ class FaultInjector:
         with self._lock:
             self._kill = True
 
+    def fail_encode(self, ranks: Iterable[int]) -> None:
+        with self._lock:
+            self._fail_encode_ranks.update(ranks)
+
     def clear(self) -> None:
         with self._lock:
             self._request_ids.clear()
+            self._fail_encode_ranks.clear()
             self._fail_step = self._kill = False
 
     def apply(self, action: str, request_ids: Iterable[str] = ()) -> None:
         """One of the calls above by name (what crosses processes): "fail_requests" | "fail_next_step"
-        | "kill_loop" | "clear"."""
+        | "kill_loop" | "fail_encode" (`request_ids` holds the ranks) | "clear"."""
         if action == "fail_requests":
             self.fail_requests(request_ids)
         elif action == "fail_next_step":
             self.fail_next_step()
         elif action == "kill_loop":
             self.kill_loop()
+        elif action == "fail_encode":
+            self.fail_encode(int(rank) for rank in request_ids)  # the ranks, as strings
         elif action == "clear":
             self.clear()
         else:
@@ -113,6 +123,13 @@ class FaultInjector:
             hit = any(fnmatch.fnmatchcase(request_id, p) for p in self._request_ids)
         if hit:
             raise InjectedFault(f"injected fault for request {request_id}")
+
+    def check_encode(self, rank: int) -> None:
+        with self._lock:
+            hit = rank in self._fail_encode_ranks
+            self._fail_encode_ranks.discard(rank)
+        if hit:
+            raise InjectedFault(f"injected fault in rank {rank}'s media encode")
 
     def check_step(self) -> None:
         with self._lock:

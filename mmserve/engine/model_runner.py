@@ -61,7 +61,10 @@ class ModelRunner:
         block_size: int,
         hf_config: PretrainedConfig | None = None,
         tp: TensorParallelGroup | None = None,
+        mm_encoder_tp_mode: str = "data",
     ) -> None:
+        """`mm_encoder_tp_mode` (several ranks): "data", the tower replicated and the step's media split
+        over the ranks; "weights", the tower sharded like the decoder and every item encoded by all."""
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
@@ -81,7 +84,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests = RequestStates()  # what the plans so far have sent of each running request
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
-        self.vision = VisionTower(hf_config, model_dir, device, dtype) if has_vision else None
+        if mm_encoder_tp_mode not in ("data", "weights"):
+            raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got {mm_encoder_tp_mode!r}")
+        self.shard_encoder = mm_encoder_tp_mode == "weights" and tp.world_size > 1
+        shard_over = tp if self.shard_encoder else None
+        self.vision = VisionTower(hf_config, model_dir, device, dtype, shard_over) if has_vision else None
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}  # (mm_hash, group) -> [tokens, hidden]
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
 
@@ -223,7 +230,7 @@ class ModelRunner:
         several ranks each encodes its share and every rank caches all of the step's embeddings."""
         if not work:
             return
-        if self.tp.world_size == 1:
+        if self.tp.world_size == 1 or self.shard_encoder:  # weights mode: every rank runs every item
             for run in encoder_runs(work):
                 self._cache_run(run, self._encode_run(run))
             return
@@ -255,6 +262,7 @@ class ModelRunner:
         """-> [run.num_tokens, hidden] embeddings."""
         if self.vision is None:
             raise ValueError("this model has no vision tower, but a request carries media")
+        self.faults.check_encode(self.tp.rank)
         pixels, grid = run.mm_input.data.groups(run.first, run.first + run.count - 1)
         return self.vision.encode(pixels, grid)
 

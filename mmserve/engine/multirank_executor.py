@@ -72,6 +72,7 @@ class MultiRankExecutor:
         host: str = "127.0.0.1",
         port: int = 0,
         num_local_ranks: int | None = None,
+        mm_encoder_tp_mode: str = "data",
     ) -> None:
         """Starts ranks 1..num_local_ranks-1 here (all of them by default); the others (another
         node) join by themselves through the store at `host:port` (`rank_worker`'s torchrun mode)."""
@@ -83,6 +84,7 @@ class MultiRankExecutor:
         self._context = zmq.Context()
         self._dead: str | None = None
         self._closed = False
+        self._replies: list[Any] = []  # replies read from the ranks and not consumed yet
         self._previous_threads = torch.get_num_threads()
         num_threads = None
         if device.type == "cpu":  # the cores are shared among the local ranks
@@ -104,19 +106,21 @@ class MultiRankExecutor:
                 self._store.set(plan_key(rank), sock.getsockopt(zmq.LAST_ENDPOINT).decode())
                 self._plans.append(sock)
             runner_spec = RunnerSpec(
-                model_dir, device.type, dtype_name, num_blocks, block_size, timeout_s, num_threads
+                model_dir, device.type, dtype_name, num_blocks, block_size, timeout_s, num_threads, mm_encoder_tp_mode
             )
             self._store.set(RUNNER_KEY, runner_spec.to_json())
             for rank in range(1, num_local_ranks or world_size):
                 self._spawn(RankSpec(rank, world_size, rank, host, self._store.port, os.getpid()))
             self._decoder = Decoder(RankOutput)
             self.tp = TensorParallelGroup.join(self._store, 0, world_size, device, timeout_s)
-            self._runner = ModelRunner(model_dir, cfg, device, dtype, num_blocks, block_size, hf_config, self.tp)
+            self._runner = ModelRunner(
+                model_dir, cfg, device, dtype, num_blocks, block_size, hf_config, self.tp, mm_encoder_tp_mode
+            )
             self._await_ready()
         except BaseException:
             self.close()
             raise
-        self._plan_encoder = PlanEncoder(world_size)
+        self._plan_encoder = PlanEncoder(world_size, shard_encoder=mm_encoder_tp_mode == "weights")
 
     def _address(self, host: str, name: str) -> str:
         if host in ("127.0.0.1", "localhost"):
@@ -187,19 +191,16 @@ class MultiRankExecutor:
         waiting = set(range(1, self.world_size))
         deadline = time.monotonic() + _REPLY_TIMEOUT_S
         while waiting:
-            self.check_health()
-            if time.monotonic() > deadline:
-                raise EngineFatalError(f"tensor-parallel ranks {sorted(waiting)} did not report their state")
-            if not self._reply.poll(100):
-                continue
-            message = self._decoder.decode(self._reply.recv_multipart(copy=False))
-            if isinstance(message, RankFailed):
-                self._dead = f"tensor-parallel rank {message.rank} failed: {message.message}"
-                raise EngineFatalError(self._dead)
-            if isinstance(message, RankHeldState):
+            self.check_health()  # also moves every reply that has arrived into _replies
+            for message in [m for m in self._replies if isinstance(m, RankHeldState)]:
+                self._replies.remove(message)
                 waiting.discard(message.rank)
                 num_requests = max(num_requests, message.num_requests)
                 union.update((h, g) for h, g in message.encoder_keys)
+            if waiting and time.monotonic() > deadline:
+                raise EngineFatalError(f"tensor-parallel ranks {sorted(waiting)} did not report their state")
+            if waiting:
+                self._reply.poll(100)
         return num_requests, sorted(union)
 
     def check_health(self) -> None:
@@ -211,6 +212,8 @@ class MultiRankExecutor:
                     message = self._decoder.decode(self._reply.recv_multipart(zmq.NOBLOCK, copy=False))
                     if isinstance(message, RankFailed):
                         self._dead = f"tensor-parallel rank {message.rank} failed: {message.message}"
+                    else:
+                        self._replies.append(message)
             self._check_processes_quietly()
         if self._dead is not None:
             raise EngineFatalError(self._dead)

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 from mmserve.encoders.vision import EncoderInput
-from mmserve.engine.encoder_split import split_encoder_work
+from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.serial import Decoder, Encoder, Frame
 from mmserve.request import MultiModalInput, PlaceholderRange, SamplingParams
 from mmserve.scheduler.output import EncoderWork, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -113,12 +113,25 @@ def _media_input(media: Media, data: object = None) -> MultiModalInput:
     return MultiModalInput(media.mm_hash, placeholder, media.modality, media.num_groups, data)
 
 
+def _pixels(runs: list[EncoderRun]) -> list[Pixels]:
+    """Patch rows of each run's groups (runs of one item are merged by `encoder_runs`)."""
+    pixels = []
+    for run in runs:
+        data = run.mm_input.data
+        rows, _ = data.groups(run.first, run.first + run.count - 1)  # type: ignore[attr-defined]
+        grid = tuple(data.grid_thw)  # type: ignore[attr-defined]
+        pixels.append(Pixels(run.mm_input.mm_hash, grid, run.first, rows))  # type: ignore[arg-type]
+    return pixels
+
+
 class PlanEncoder:
     """Encodes plans on the first rank: `encode(plan)` -> the shared frames and, per other rank, the
     frames of its pixels (None when it encodes nothing this step). Not thread-safe."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, shard_encoder: bool = False) -> None:
+        """`shard_encoder`: the vision tower's weights mode (every rank encodes every item)."""
         self.world_size = world_size
+        self.shard_encoder = shard_encoder
         self._encoder = Encoder()
 
     def encode(self, plan: SchedulerOutput) -> tuple[list[Frame], list[list[Frame] | None]]:
@@ -147,17 +160,15 @@ class PlanEncoder:
         )
         shared = list(self._encoder.encode(body))
         per_rank: list[list[Frame] | None] = [None] * self.world_size
-        if plan.encoder_work:
-            shares = split_encoder_work(plan.encoder_work, self.world_size)
-            for rank in range(1, self.world_size):
-                pixels = []
-                for run in shares[rank]:
-                    data = run.mm_input.data
-                    rows, _ = data.groups(run.first, run.first + run.count - 1)  # type: ignore[attr-defined]
-                    grid = tuple(data.grid_thw)  # type: ignore[attr-defined]
-                    pixels.append(Pixels(run.mm_input.mm_hash, grid, run.first, rows))  # type: ignore[arg-type]
-                if pixels:
-                    per_rank[rank] = list(self._encoder.encode(RankPixels(pixels)))
+        if not plan.encoder_work:
+            return shared, per_rank
+        if self.shard_encoder:  # the same pixels (all of them) for every rank
+            frames = list(self._encoder.encode(RankPixels(_pixels(encoder_runs(plan.encoder_work)))))
+            return shared, [None] + [frames] * (self.world_size - 1)
+        shares = split_encoder_work(plan.encoder_work, self.world_size)
+        for rank in range(1, self.world_size):
+            if shares[rank]:
+                per_rank[rank] = list(self._encoder.encode(RankPixels(_pixels(shares[rank]))))
         return shared, per_rank
 
     def encode_control(self, message: Any) -> list[Frame]:

@@ -69,6 +69,7 @@ class RunnerSpec:
     block_size: int
     timeout_s: float
     num_threads: int | None  # torch threads per rank on the CPU; None: torch's default
+    mm_encoder_tp_mode: str = "data"
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -135,7 +136,15 @@ def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGrou
     model_config, hf_config = DecoderConfig.from_pretrained(spec.model_dir)
     dtype = DTYPES[spec.dtype]
     return ModelRunner(
-        spec.model_dir, model_config, device, dtype, spec.num_blocks, spec.block_size, hf_config, tp
+        spec.model_dir,
+        model_config,
+        device,
+        dtype,
+        spec.num_blocks,
+        spec.block_size,
+        hf_config,
+        tp,
+        spec.mm_encoder_tp_mode,
     )
 
 
