@@ -131,11 +131,6 @@ class TensorParallelGroup:
         self._group(tensor).gather([], [tensor], options).wait()
         return None
 
-    def barrier(self) -> None:
-        """Host-side barrier over the gloo group (bounded by the group's timeout)."""
-        if self.world_size > 1:
-            self.all_reduce(torch.zeros(1))
-
     def take_stats(self) -> CommStats:
         stats, self.stats = self.stats, CommStats()
         return stats

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zmq
@@ -39,6 +40,9 @@ from mmserve.engine.rank_plan import (
 )
 from mmserve.engine.serial import Encoder
 from mmserve.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from mmserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +132,7 @@ def run_rank(spec: RankSpec) -> int:
         context.destroy(linger=2000)
 
 
-def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGroup) -> object:
+def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGroup) -> ModelRunner:
     from mmserve.engine.core import DTYPES
     from mmserve.engine.model_runner import ModelRunner
     from mmserve.models.config import DecoderConfig
@@ -148,7 +152,7 @@ def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGrou
     )
 
 
-def _serve(runner: object, plans: zmq.Socket, reply: zmq.Socket, encoder: Encoder, spec: RankSpec) -> None:
+def _serve(runner: ModelRunner, plans: zmq.Socket, reply: zmq.Socket, encoder: Encoder, spec: RankSpec) -> None:
     decoder = PlanDecoder()
     while True:
         if not plans.poll(_POLL_MS):
@@ -161,17 +165,17 @@ def _serve(runner: object, plans: zmq.Socket, reply: zmq.Socket, encoder: Encode
             continue
         if isinstance(message, SchedulerOutput):
             try:
-                runner.execute(message)  # type: ignore[attr-defined]
+                runner.execute(message)
             except StepFault as fault:
                 if not fault.ranks_agree:
                     raise
                 # The first rank failed the same step alike; it resets the encoder caches next.
         elif isinstance(message, ResetEncoderCache):
-            runner.reset_encoder_cache()  # type: ignore[attr-defined]
+            runner.reset_encoder_cache()
         elif isinstance(message, InjectFaults):
-            runner.faults.apply(message.action, message.request_ids)  # type: ignore[attr-defined]
+            runner.faults.apply(message.action, message.request_ids)
         elif isinstance(message, ReportHeldState):
-            num_requests, keys = runner.held_state()  # type: ignore[attr-defined]
+            num_requests, keys = runner.held_state()
             reply.send_multipart(encoder.encode(RankHeldState(spec.rank, num_requests, [list(k) for k in keys])))
         elif isinstance(message, StopRank):
             return
