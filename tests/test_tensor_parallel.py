@@ -48,16 +48,22 @@ def _rank_processes() -> list[psutil.Process]:
     return [p for p in psutil.Process().children() if "mmserve.engine.rank_worker" in " ".join(p.cmdline())]
 
 
+_MAX_OPEN_ENGINES = 4  # each holds a rank process (~0.5 GB): tests are grouped by checkpoint
+
+
 @pytest.fixture(scope="module")
 def engines() -> Iterator[Callable[..., LLM]]:
-    """(model_dir, tp, **settings) -> one LLM per distinct key, closed after the module."""
+    """(model_dir, tp, **settings) -> one LLM per distinct key, reused; the least recently used is
+    closed beyond a few, the rest after the module."""
     made: dict[tuple, LLM] = {}
 
     def get(model_dir: Path, tp: int, **settings: object) -> LLM:
         key = (str(model_dir), tp, tuple(sorted(settings.items())))
-        if key not in made:
-            made[key] = LLM(model_dir, tensor_parallel_size=tp, **settings)
-        return made[key]
+        llm = made.pop(key, None) or LLM(model_dir, tensor_parallel_size=tp, **settings)
+        made[key] = llm  # most recently used last
+        while len(made) > _MAX_OPEN_ENGINES:
+            made.pop(next(iter(made))).close()
+        return llm
 
     yield get
     for llm in made.values():
@@ -249,6 +255,38 @@ def _item(name: str, tokens: int, groups: int = 1) -> MultiModalInput:
     return MultiModalInput(name, PlaceholderRange(0, tokens * groups), "video" if groups > 1 else "image", groups)
 
 
+@pytest.mark.parametrize("shard_encoder", [False, True])
+def test_each_rank_gets_the_pixels_of_its_runs_also_when_one_item_comes_as_several(shard_encoder: bool) -> None:
+    """One video's groups 2-3 (a running request) and 0-1 (a new one, evicted meanwhile) in one step, with
+    an image before them: every rank rebuilds, for each of its runs, exactly that run's patch rows."""
+    from mmserve.encoders.vision import EncoderInput
+    from mmserve.engine.encoder_split import encoder_runs
+    from mmserve.engine.rank_plan import PlanDecoder, PlanEncoder
+    from mmserve.scheduler.output import SchedulerOutput
+
+    h = w = 4
+    video = MultiModalInput("v", PlaceholderRange(10, 16), "video", 4,
+                            EncoderInput(torch.arange(4 * h * w * 3.0).view(4 * h * w, 3), (4, h, w)))  # fmt: skip
+    image = MultiModalInput("a", PlaceholderRange(0, 8), "image", 1,
+                            EncoderInput(-torch.arange(2 * 16 * 3.0).view(32, 3), (1, 4, 8)))  # fmt: skip
+    work = (EncoderWork(image, 0), EncoderWork(video, 2), EncoderWork(video, 3), EncoderWork(video, 0),
+            EncoderWork(video, 1))  # fmt: skip
+    plan = SchedulerOutput((), 0, encoder_work=work)
+    encoder = PlanEncoder(2, shard_encoder=shard_encoder)
+    shared, per_rank = encoder.encode(plan)
+    decoder = PlanDecoder()
+    if per_rank[1] is not None:
+        assert decoder.decode(per_rank[1]) is None
+    decoded = decoder.decode(shared)
+    runs = encoder_runs(decoded.encoder_work) if shard_encoder else split_encoder_work(decoded.encoder_work, 2)[1]
+    expected = encoder_runs(work) if shard_encoder else split_encoder_work(work, 2)[1]
+    assert [(r.mm_input.mm_hash, r.first, r.count) for r in runs] == [(r.mm_input.mm_hash, r.first, r.count) for r in expected]
+    assert runs  # the second rank encodes something in both modes here
+    for got, want in zip(runs, expected, strict=True):
+        last = want.first + want.count - 1
+        assert torch.equal(got.mm_input.data.groups(got.first, last)[0], want.mm_input.data.groups(want.first, last)[0])
+
+
 def test_encoder_work_splits_in_order_balanced_by_tokens() -> None:
     one = [EncoderWork(_item("a", 64), 0)]
     assert [len(s) for s in split_encoder_work(one, 2)] == [1, 0]  # more ranks than images: one idles
@@ -374,21 +412,44 @@ def test_the_server_drains_and_stops_its_ranks_and_exits_1_when_a_rank_dies(
 
 _TWO_NODE_SCRIPT = textwrap.dedent(
     """
-    import json, os, subprocess, sys
+    import json, os, signal, subprocess, sys, time
     from mmserve import LLM, SamplingParams
+    from mmserve.errors import EngineDeadError
 
     model_dir, port = sys.argv[1], int(sys.argv[2])
-    # "node 1": rank 1 started by hand with torchrun's variables, before or after node 0 comes up
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.2", MASTER_PORT=str(port))
-    rank = subprocess.Popen([sys.executable, "-m", "mmserve.engine.rank_worker"], env=env)
+
+    def remote_rank():  # "node 1": rank 1 started by hand with torchrun's variables
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.2",
+                   MASTER_PORT=str(port))
+        return subprocess.Popen([sys.executable, "-m", "mmserve.engine.rank_worker"], env=env)
+
+    def node0():
+        return LLM(model_dir, tensor_parallel_size=2, tensor_parallel_local_ranks=1, master_addr="127.0.0.2",
+                   master_port=port)
+
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = ["a two node engine", "over tcp sockets"]
     tp1 = [o.token_ids for o in LLM(model_dir).generate(prompts, sp)]
-    llm = LLM(model_dir, tensor_parallel_size=2, tensor_parallel_local_ranks=1, master_addr="127.0.0.2",
-              master_port=port)
+    rank = remote_rank()
+    llm = node0()
     tp2 = [o.token_ids for o in llm.generate(prompts, sp)]
     llm.close()
-    print(json.dumps({"same": tp1 == tp2, "rank_exit": rank.wait(timeout=20)}))
+    result = {"same": tp1 == tp2, "rank_exit": rank.wait(timeout=20)}
+    # The remote rank dies while node 0 is idle: its TCP connection closes, the engine is dead at once.
+    rank = remote_rank()
+    llm = node0()
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait()
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        llm.generate(prompts, sp)
+        result["dead"] = None
+    except EngineDeadError as exc:
+        result["dead"] = str(exc)
+    llm.close()
+    result["dead_within_s"] = time.monotonic() - start
+    print(json.dumps(result))
     """
 )
 
@@ -399,4 +460,7 @@ def test_a_rank_from_another_node_joins_by_torchrun_variables_over_tcp(tiny_mode
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "rank_exit": 0}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"] and result["rank_exit"] == 0, result
+    assert result["dead"] is not None and "rank 1" in result["dead"], result
+    assert result["dead_within_s"] < 3.0, result

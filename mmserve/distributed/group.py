@@ -51,9 +51,12 @@ class TensorParallelGroup:
         return cls(0, 1)
 
     @staticmethod
-    def rendezvous(host: str, port: int, world_size: int, is_first: bool) -> dist.TCPStore:
+    def rendezvous(
+        host: str, port: int, world_size: int, is_first: bool, listen_fd: int | None = None
+    ) -> dist.TCPStore:
         """The key-value store the ranks meet through: hosted by the first rank (`port` 0: any free
-        port, read back from `store.port`), joined by the others."""
+        port, read back from `store.port`; `listen_fd`: a socket it already listens on), joined by the
+        others (who wait for it up to the store's timeout)."""
         return dist.TCPStore(
             host,
             port,
@@ -61,6 +64,7 @@ class TensorParallelGroup:
             is_master=is_first,
             timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S),
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
 
     @classmethod
@@ -135,10 +139,19 @@ class TensorParallelGroup:
         stats, self.stats = self.stats, CommStats()
         return stats
 
-    def close(self) -> None:
-        """Release the process groups (after the last collective of every rank)."""
+    def abort_device_group(self) -> None:
+        """From another thread, when a rank is gone: NCCL collectives waiting on it fail now. (gloo
+        fails by itself when a peer's connection closes; its group is left alone.)"""
+        group = self._device_group
+        if group is not None and group is not self._cpu_group:
+            with contextlib.suppress(Exception):
+                group.abort()
+
+    def close(self, abort: bool = False) -> None:
+        """Release the process groups: after the last collective of every rank, or (`abort`, a rank
+        is gone) without waiting for work in flight."""
         for group in {id(g): g for g in (self._device_group, self._cpu_group) if g is not None}.values():
             with contextlib.suppress(Exception):  # a peer already gone: nothing left to release cleanly
-                group.shutdown()
+                group.abort() if abort else group.shutdown()
         self._device_group = self._cpu_group = None
         self._store = None

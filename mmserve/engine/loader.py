@@ -59,5 +59,9 @@ def load_engine(args: EngineArgs, media_limits: MediaLimits | None = None) -> Lo
 
     args = resolve_checkpoint(args)
     core = EngineCore(args)
-    tokenizer, processor = load_frontend(args, core.max_model_len, media_limits)
+    try:
+        tokenizer, processor = load_frontend(args, core.max_model_len, media_limits)
+    except BaseException:
+        core.close()  # its tensor-parallel ranks, if any
+        raise
     return LoadedEngine(tokenizer, core, processor)

@@ -230,23 +230,31 @@ class ModelRunner:
         several ranks each encodes its share and every rank caches all of the step's embeddings."""
         if not work:
             return
-        if self.tp.world_size == 1 or self.shard_encoder:  # weights mode: every rank runs every item
+        if self.tp.world_size == 1:
             for run in encoder_runs(work):
                 self._cache_run(run, self._encode_run(run))
             return
+        if self.shard_encoder:  # weights mode: every rank runs every item, the tower's collectives inside
+            runs = encoder_runs(work)
+            self._agree_on_encoder_inputs(runs)
+            for run in runs:
+                self._cache_run(run, self._encode_run(run, checked=True))
+            return
         shares = split_encoder_work(work, self.tp.world_size)
-        mine: torch.Tensor | None = None
+        width = max(sum(run.num_tokens for run in share) for share in shares)
+        padded = torch.zeros(width, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         status = torch.zeros(1, dtype=torch.int32)
         try:
-            outputs = [self._encode_run(run) for run in shares[self.tp.rank]]
-            mine = torch.cat(outputs) if outputs else None
+            row = 0
+            for run in shares[self.tp.rank]:
+                embeds = self._encode_run(run)
+                if embeds.shape[0] != run.num_tokens:
+                    raise ValueError(f"{embeds.shape[0]} embeddings for {run.num_tokens} placeholder tokens")
+                padded[row : row + run.num_tokens] = embeds
+                row += run.num_tokens
         except Exception:  # every rank learns of it from the status it gathers, and fails the step alike
             logger.exception("rank %d failed to encode its share of the step's media", self.tp.rank)
             status[0] = 1
-        width = max(sum(run.num_tokens for run in share) for share in shares)
-        padded = torch.zeros(width, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        if mine is not None and status[0] == 0:
-            padded[: mine.shape[0]] = mine
         statuses = self.tp.all_gather(status)
         gathered = self.tp.all_gather(padded)  # [world_size] x [width, hidden]
         failed_ranks = [rank for rank, s in enumerate(statuses) if int(s[0])]
@@ -254,15 +262,33 @@ class ModelRunner:
             raise EncoderFailed(f"ranks {failed_ranks} failed to encode their share of the step's media")
         for share, embeds in zip(shares, gathered, strict=True):
             row = 0
-            for run in share:
-                self._cache_run(run, embeds[row : row + run.num_tokens])
+            for run in share:  # copies: a view would keep the whole padded buffer alive in the cache
+                self._cache_run(run, embeds[row : row + run.num_tokens].clone())
                 row += run.num_tokens
 
-    def _encode_run(self, run: EncoderRun) -> torch.Tensor:
-        """-> [run.num_tokens, hidden] embeddings."""
+    def _agree_on_encoder_inputs(self, runs: list[EncoderRun]) -> None:
+        """Weights mode: every rank checks every run's inputs before the tower's first collective and
+        all learn whether any failed (one small all-gather), so a bad input fails the step alike."""
+        status = torch.zeros(1, dtype=torch.int32)
+        try:
+            if self.vision is None:
+                raise ValueError("this model has no vision tower, but a request carries media")
+            self.faults.check_encode(self.tp.rank)
+            for run in runs:
+                run.mm_input.data.groups(run.first, run.first + run.count - 1)  # type: ignore[attr-defined]
+        except Exception:
+            logger.exception("rank %d cannot encode the step's media", self.tp.rank)
+            status[0] = 1
+        failed_ranks = [rank for rank, s in enumerate(self.tp.all_gather(status)) if int(s[0])]
+        if failed_ranks:
+            raise EncoderFailed(f"ranks {failed_ranks} cannot encode the step's media")
+
+    def _encode_run(self, run: EncoderRun, checked: bool = False) -> torch.Tensor:
+        """-> [run.num_tokens, hidden] embeddings. `checked`: inputs and fault hook already checked."""
         if self.vision is None:
             raise ValueError("this model has no vision tower, but a request carries media")
-        self.faults.check_encode(self.tp.rank)
+        if not checked:
+            self.faults.check_encode(self.tp.rank)
         pixels, grid = run.mm_input.data.groups(run.first, run.first + run.count - 1)
         return self.vision.encode(pixels, grid)
 

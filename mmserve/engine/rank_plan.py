@@ -88,6 +88,7 @@ RankInput = RankPlan | RankPixels | ResetEncoderCache | InjectFaults | ReportHel
 class RankReady(msgspec.Struct, tag=True, array_like=True, frozen=True):
     rank: int
     pid: int
+    fingerprint: str  # of the checkpoint it loaded (`rank_worker.checkpoint_fingerprint`)
 
 
 class RankFailed(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -181,22 +182,27 @@ class PlanDecoder:
 
     def __init__(self) -> None:
         self._decoder = Decoder(RankInput)
-        self._pixels: dict[str, Pixels] = {}
+        self._pixels: list[Pixels] = []
 
     def decode(self, frames: Sequence[Any]) -> Any:
         """-> a `SchedulerOutput`, a control message, or None (pixels kept for the next plan)."""
         message = self._decoder.decode(frames)
         if isinstance(message, RankPixels):
-            self._pixels = {p.mm_hash: p for p in message.pixels}
+            self._pixels = list(message.pixels)
             return None
         if not isinstance(message, RankPlan):
             return message
-        pixels, self._pixels = self._pixels, {}
-        items: dict[str, MultiModalInput] = {}
-        for m in message.encoder_media:
-            p = pixels.get(m.mm_hash)
-            data = None if p is None else EncoderInput(p.pixel_values, p.grid_thw, p.first_group)
-            items[m.mm_hash] = _media_input(m, data)
+        pixels, self._pixels = self._pixels, []
+        media = {m.mm_hash: m for m in message.encoder_media}
+        # (mm_hash, group) -> the item with the pixels that hold that group here (one object per run sent:
+        # one item's groups may come as several runs); groups this rank does not encode get no pixels.
+        items: dict[tuple[str, int], MultiModalInput] = {}
+        for p in pixels:
+            item = _media_input(media[p.mm_hash], EncoderInput(p.pixel_values, p.grid_thw, p.first_group))
+            _, h, w = p.grid_thw
+            for group in range(p.first_group, p.first_group + p.pixel_values.shape[0] // (h * w)):
+                items[(p.mm_hash, group)] = item
+        bare = {h: _media_input(m) for h, m in media.items()}
         return SchedulerOutput(
             scheduled=tuple(message.scheduled),
             num_scheduled_tokens=message.num_scheduled_tokens,
@@ -211,7 +217,7 @@ class PlanDecoder:
                 )
                 for n in message.new_requests
             ),
-            encoder_work=tuple(EncoderWork(items[h], g) for h, g in message.encoder_work),
+            encoder_work=tuple(EncoderWork(items.get((h, g), bare[h]), g) for h, g in message.encoder_work),
             freed_encoder_keys=tuple(tuple(k) for k in message.freed_encoder_keys),  # type: ignore[misc]
             finished_request_ids=frozenset(message.finished_request_ids),
             preempted_request_ids=frozenset(message.preempted_request_ids),

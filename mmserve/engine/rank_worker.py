@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import signal
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,12 +70,14 @@ class RunnerSpec:
 
     model_dir: str
     device_type: str  # "cpu" | "cuda"
+    first_device_index: int  # CUDA: rank 0's device; the local rank r uses first_device_index + r
     dtype: str
     num_blocks: int
     block_size: int
     timeout_s: float
     num_threads: int | None  # torch threads per rank on the CPU; None: torch's default
     mm_encoder_tp_mode: str = "data"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # the first rank's MMSERVE_* variables
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -85,10 +89,27 @@ class RunnerSpec:
 
 RUNNER_KEY = "mmserve/runner"
 REPLY_KEY = "mmserve/reply"
+# ZeroMQ heartbeats on the plan connection (TCP): a peer silent this long is disconnected, and the
+# other side treats it as gone (a rank on another node that died, or whose node did).
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
 
 
 def plan_key(rank: int) -> str:
     return f"mmserve/plan/{rank}"
+
+
+def joining_key(rank: int) -> str:
+    return f"mmserve/joining/{rank}"
+
+
+def checkpoint_fingerprint(model_dir: str) -> str:
+    """What every rank must agree on: config.json's bytes and the weight files' names and sizes."""
+    root = Path(model_dir)
+    digest = hashlib.sha256((root / "config.json").read_bytes())
+    for f in sorted(root.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return digest.hexdigest()
 
 
 def run_rank(spec: RankSpec) -> int:
@@ -108,17 +129,25 @@ def run_rank(spec: RankSpec) -> int:
         reply.connect(store.get(REPLY_KEY).decode())
         plans = context.socket(zmq.PULL)
         plans.setsockopt(zmq.LINGER, 0)
+        plans.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        plans.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        monitor = plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         plans.connect(store.get(plan_key(spec.rank)).decode())
+        os.environ.update(runner_spec.env)  # before the runner picks its kernels and fault hooks
         if runner_spec.num_threads is not None:
             torch.set_num_threads(runner_spec.num_threads)
-        device = torch.device(
-            f"cuda:{spec.local_rank}" if runner_spec.device_type == "cuda" else runner_spec.device_type
-        )
+        device = torch.device(runner_spec.device_type)
+        if device.type == "cuda":  # NCCL and every kernel of this rank on its own device
+            base = runner_spec.first_device_index if spec.parent_pid is not None else 0  # another node: from 0
+            device = torch.device("cuda", base + spec.local_rank)
+            torch.cuda.set_device(device)
+        store.set(joining_key(spec.rank), str(os.getpid()))
         tp = TensorParallelGroup.join(store, spec.rank, spec.world_size, device, runner_spec.timeout_s)
         runner = _build_runner(runner_spec, device, tp)
         encoder = Encoder()
-        reply.send_multipart(encoder.encode(RankReady(spec.rank, os.getpid())))
-        _serve(runner, plans, reply, encoder, spec)
+        fingerprint = checkpoint_fingerprint(runner_spec.model_dir)
+        reply.send_multipart(encoder.encode(RankReady(spec.rank, os.getpid(), fingerprint)))
+        _serve(runner, plans, monitor, reply, encoder, spec)
         return 0
     except BaseException as exc:  # anything: the first rank must hear why, then this rank ends
         logger.exception("rank %d failed", spec.rank)
@@ -152,13 +181,19 @@ def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGrou
     )
 
 
-def _serve(runner: ModelRunner, plans: zmq.Socket, reply: zmq.Socket, encoder: Encoder, spec: RankSpec) -> None:
+def _serve(
+    runner: ModelRunner, plans: zmq.Socket, monitor: zmq.Socket, reply: zmq.Socket, encoder: Encoder, spec: RankSpec
+) -> None:
     decoder = PlanDecoder()
+    poller = zmq.Poller()
+    poller.register(plans, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     while True:
-        if not plans.poll(_POLL_MS):
-            if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
-                logger.warning("the first rank's process is gone: exiting")
-                return
+        events = dict(poller.poll(_POLL_MS))
+        if monitor in events or (spec.parent_pid is not None and os.getppid() != spec.parent_pid):
+            # Its process died (the connection closed), or its heartbeats stopped (another node).
+            raise RuntimeError("the first rank is gone")
+        if plans not in events:
             continue
         message = decoder.decode(plans.recv_multipart(copy=False))
         if message is None:
