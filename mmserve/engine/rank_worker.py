@@ -134,7 +134,7 @@ def run_rank(spec: RankSpec) -> int:
         monitor = plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         plans.connect(store.get(plan_key(spec.rank)).decode())
         os.environ.update(runner_spec.env)  # before the runner picks its kernels and fault hooks
-        if runner_spec.num_threads is not None:
+        if runner_spec.num_threads is not None and spec.parent_pid is not None:  # another node: its own cores
             torch.set_num_threads(runner_spec.num_threads)
         device = torch.device(runner_spec.device_type)
         if device.type == "cuda":  # NCCL and every kernel of this rank on its own device
