@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -81,27 +82,24 @@ class VisionTower:
         return out.pooler_output
 
 
-def _full_reader(tensor: torch.Tensor) -> object:
-    return lambda dim, start, length: tensor.narrow(dim, start, length)
-
-
 def _column(linear: nn.Linear, num_parts: int, tp: TensorParallelGroup, what: str) -> ColumnParallelLinear:
     """This rank's output rows of `linear`, whose rows are `num_parts` equal parts (qkv: 3)."""
     part = split_evenly(linear.out_features // num_parts, tp.rank, tp.world_size, what)
     layer = ColumnParallelLinear(linear.in_features, [part] * num_parts, bias=linear.bias is not None)
-    for name in ("weight", "bias"):
-        if getattr(linear, name) is not None:
-            tensor = getattr(linear, name).detach()
-            layer.load_weight(name, tuple(tensor.shape), _full_reader(tensor), None)
-    return layer
+    return _loaded_from(linear, layer)
 
 
 def _row(linear: nn.Linear, tp: TensorParallelGroup) -> RowParallelLinear:
-    layer = RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp)
+    return _loaded_from(linear, RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp))
+
+
+def _loaded_from(linear: nn.Linear, layer: ColumnParallelLinear | RowParallelLinear) -> Any:
+    """`layer` holding its slice of `linear`'s weight and bias."""
     for name in ("weight", "bias"):
-        if getattr(linear, name) is not None:
-            tensor = getattr(linear, name).detach()
-            layer.load_weight(name, tuple(tensor.shape), _full_reader(tensor), None)
+        tensor = getattr(linear, name)
+        if tensor is not None:
+            tensor = tensor.detach()
+            layer.load_weight(name, tuple(tensor.shape), lambda d, a, n, t=tensor: t.narrow(d, a, n), None)
     return layer
 
 
