@@ -1,0 +1,368 @@
+"""Every Triton kernel compiled to a cubin for sm_90 and sm_80 on the CPU (no GPU needed): paged attention
+(single pass and split-KV, decode and chunk tiles), the split reduce and the KV store, at the constexprs and
+launch options the engine's own launch code picks for each model's per-rank heads under tensor parallelism.
+
+How the launch values are derived: a fresh subprocess (TRITON_INTERPRET unset, so the kernels are real
+`JITFunction`s and the modules' INTERPRETED flags are False for real, with no patching of them) calls the
+engine's entry points `triton_cache.store_kv_cache` and `triton_attention.paged_attention` on CPU tensors
+shaped as `qwen2.Attention` makes them. Each kernel object in the module is swapped for a recorder, so
+`tile_config`, `make_launch_plan`, `choose_num_splits` and the BLOCK_T / BLOCK_R rules run unchanged and the
+recorder catches exactly the arguments, constexprs, num_warps and num_stages of the launch. The only other
+stand-in is `_num_sms` (no GPU to ask): the SM count of the GPU each arch is planned for. Triton's own binder
+then turns the recorded arguments into the signature and specializations a real launch would compile
+(pointer/int divisibility, ints equal to 1), and `triton.compile(ASTSource(...), target=GPUTarget(...))`
+builds ttir -> ttgir -> llir -> ptx -> cubin with the bundled ptxas. Launches that agree on the engine's
+constexprs, pointer dtypes and options are compiled once; `ptxas -v` (TRITON_DUMP_PTXAS_LOG) says whether a
+kernel spills registers, which fails the test.
+
+Why a subprocess: the tests run with TRITON_INTERPRET=1 (conftest), under which triton's own library
+(tl.cdiv, tl.max, ...) is decorated for the interpreter, and code generation for a GPU target then fails
+("'block_argument' object has no attribute 'dtype'" at the first tl.cdiv). One subprocess compiles every
+case for the whole file and hands back JSON.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+if __name__ != "__main__":
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed", allow_module_level=True)
+
+# Compute capability -> SM count the split-KV heuristic plans with (H100/H200 SXM: 132, A100: 108).
+ARCHS = {90: 132, 80: 108}
+TP_SIZES = (1, 2, 4, 8)
+DTYPES = ("bfloat16", "float32")  # bf16: the GPU default; fp32: the exact-dots path (DOT_FP32)
+BLOCK_SIZE = 16  # the engine's default cache block size
+STAGES = ("ttir", "ttgir", "llir", "ptx", "cubin")
+# (name, head_dim, num_heads, num_kv_heads) of the whole model; tiny/bench as `mmserve.tiny_model` builds them
+# (head_dim = hidden // heads there), the Qwen ones from their Hugging Face configs.
+QWEN_MODELS = (
+    ("qwen2-vl-2b", 128, 12, 2),
+    ("qwen2-vl-7b", 128, 28, 4),
+    ("qwen2.5-vl-72b", 128, 64, 8),
+)
+
+# Host batch lists (query_start_loc, seq_lens) of the batches each case runs, all with BLOCK_SIZE blocks:
+# - decode: three decodes at short contexts -> the small (decode) tile, one pass (too few keys to split);
+# - chunk: a 100-token prefill chunk from position 0 plus two decodes -> the chunk tile, one pass;
+# - long-decode-<n>: one decode after n cached tokens -> split-KV + reduce; n = 512 * 2**k gives
+#   num_splits = n // 256 = 2 .. 64 (_MAX_SPLITS), i.e. every SPLITS_POW2 the reduce can be launched with;
+# - long-chunk: a 64-token chunk after 4096 cached tokens -> split-KV on the chunk tile + reduce.
+BATCHES: dict[str, tuple[list[int], list[int]]] = {
+    "decode": ([0, 1, 2, 3], [300, 200, 100]),
+    "chunk": ([0, 100, 101, 102], [100, 250, 180]),
+    **{f"long-decode-{n}": ([0, 1], [n + 1]) for n in (512 << k for k in range(6))},
+    "long-chunk": ([0, 64], [4096 + 64]),
+}
+SPLIT_BATCHES = tuple(b for b in BATCHES if b.startswith("long-"))
+
+
+def _models() -> list[tuple[str, int, int, int]]:
+    from mmserve.tiny_model import PRESETS
+
+    presets = [(name, p.hidden // p.heads, p.heads, p.kv_heads) for name, p in PRESETS.items()]
+    return presets + list(QWEN_MODELS)
+
+
+def _rank_heads(num_heads: int, num_kv_heads: int, tp: int) -> tuple[int, int] | None:
+    """(query heads, KV heads) of one rank, as `qwen2.Attention` splits them; None if tp cannot split it."""
+    from mmserve.models.parallel import kv_head_range
+
+    try:
+        _, kv = kv_head_range(num_heads, num_kv_heads, 0, tp)
+    except ValueError:
+        return None
+    return num_heads // tp, kv
+
+
+def _cases() -> list[dict]:
+    cases = []
+    for name, head_dim, heads, kv_heads in _models():
+        for tp in TP_SIZES:
+            rank = _rank_heads(heads, kv_heads, tp)
+            if rank is None:
+                continue
+            for dtype in DTYPES:
+                cases.append(
+                    dict(
+                        id=f"{name}-tp{tp}-{'bf16' if dtype == 'bfloat16' else 'fp32'}",
+                        head_dim=head_dim,
+                        num_heads=rank[0],
+                        num_kv_heads=rank[1],
+                        dtype=dtype,
+                    )
+                )
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The compile subprocess (this file run as a script).
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def _record_launches(case: dict, num_sms: int) -> list[tuple[str, object, tuple, dict]]:
+    """(batch, kernel, args, kwargs) of every launch the engine makes for `case`'s batches on this GPU."""
+    import torch
+
+    from mmserve.kernels import triton_attention as ta
+    from mmserve.kernels import triton_cache as tc
+
+    kernels = (ta._paged_attention_kernel, ta._reduce_splits_kernel, tc._store_kv_cache_kernel, ta._num_sms)
+    out: list[tuple[str, object, tuple, dict]] = []
+    launches: list = []
+    try:
+        ta._paged_attention_kernel = _Recorder(kernels[0], launches)
+        ta._reduce_splits_kernel = _Recorder(kernels[1], launches)
+        tc._store_kv_cache_kernel = _Recorder(kernels[2], launches)
+        ta._num_sms = lambda device: num_sms
+        ta.make_launch_plan.cache_clear()  # its cache key has no SM count
+        dtype = getattr(torch, case["dtype"])
+        heads, kv_heads, hd = case["num_heads"], case["num_kv_heads"], case["head_dim"]
+        for batch, (query_start_loc, seq_lens) in BATCHES.items():
+            num_tokens = query_start_loc[-1]
+            max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+            # As qwen2.Attention: q and k come out of the rotary embedding contiguous, v is a view of qkv.
+            qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * hd, dtype=dtype)
+            q = torch.empty(num_tokens, heads, hd, dtype=dtype)
+            k = torch.empty(num_tokens, kv_heads, hd, dtype=dtype)
+            v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)[2].view(-1, kv_heads, hd)
+            kv_cache = torch.empty(2, 4, BLOCK_SIZE, kv_heads, hd, dtype=dtype)  # only its strides matter
+            block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int64)
+            slot_mapping = torch.zeros(num_tokens, dtype=torch.int64)
+            tc.store_kv_cache(k, v, kv_cache, slot_mapping)
+            ta.paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, hd**-0.5)
+            out += [(batch, *launch) for launch in launches]
+            launches.clear()
+    finally:
+        ta._paged_attention_kernel, ta._reduce_splits_kernel, tc._store_kv_cache_kernel, ta._num_sms = kernels
+        ta.make_launch_plan.cache_clear()
+    return out
+
+
+def _specialize(kernel, args: tuple, kwargs: dict, target):
+    """What `JITFunction.run` hands `triton.compile` for these arguments (triton's own binder and packing)."""
+    from triton import knobs
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    return kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+
+
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+class _ThreadLog(io.TextIOBase):
+    """sys.stdout while compiling: each thread's writes (ptxas's log) go to its own buffer."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not hasattr(self.local, "buf"):
+            self.local.buf = io.StringIO()
+        return self.local.buf.write(text)
+
+    def take(self) -> str:
+        text = self.local.buf.getvalue() if hasattr(self.local, "buf") else ""
+        self.local.buf = io.StringIO()
+        return text
+
+
+def _compile(kernel, signature, constexprs, attrs, options, target, log: _ThreadLog) -> dict:
+    import triton
+    from triton.compiler import ASTSource
+
+    start = time.perf_counter()
+    log.take()
+    try:
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+    except Exception as e:
+        return dict(ok=False, error=f"{type(e).__name__}: {e}"[-4000:], seconds=time.perf_counter() - start)
+    ptxas = log.take()  # TRITON_DUMP_PTXAS_LOG=1 prints `ptxas -v` to stdout
+    spills, registers = _SPILLS.search(ptxas), _REGISTERS.search(ptxas)
+    return dict(
+        ok=True,
+        seconds=time.perf_counter() - start,
+        stages=sorted(compiled.asm),
+        cubin_bytes=len(compiled.asm.get("cubin", b"")),
+        spill_bytes=int(spills[1]) + int(spills[2]) if spills else None,
+        registers=int(registers[1]) if registers else None,
+        shared=compiled.metadata.shared,
+    )
+
+
+def _describe(kernel, signature: dict, constexprs: dict, options, arch: int) -> str:
+    names = kernel.arg_names
+    consts = " ".join(f"{names[i[0]]}={v}" for i, v in sorted(constexprs.items()) if names[i[0]].isupper())
+    ptrs = ",".join(sorted({t for t in signature.values() if t.startswith("*")}))
+    return (
+        f"{kernel.__name__} sm_{arch} {consts} ptrs={ptrs} "
+        f"num_warps={options.num_warps} num_stages={options.num_stages}"
+    )
+
+
+def _main(cases_path: str, out_path: str) -> None:
+    assert "TRITON_INTERPRET" not in os.environ
+    from triton.backends.compiler import GPUTarget
+
+    from mmserve.kernels import triton_attention as ta
+    from mmserve.kernels import triton_cache as tc
+
+    start = time.perf_counter()
+    cases = json.loads(Path(cases_path).read_text())
+    launches: dict[str, list[dict]] = {}
+    todo: dict[str, tuple] = {}  # compile key -> what to compile
+    for case in cases:
+        launches[case["id"]] = []
+        for arch, num_sms in ARCHS.items():
+            target = GPUTarget("cuda", arch, 32)  # CUDA warps are 32 threads
+            for batch, kernel, args, kwargs in _record_launches(case, num_sms):
+                options, signature, constexprs, attrs = _specialize(kernel, args, kwargs, target)
+                names = kernel.arg_names
+                # The engine's constexprs (upper case), pointer dtypes and launch options make the key; the
+                # variants Triton adds for runtime ints (== 1, divisible by 16) at the same key are not
+                # compiled again (the first one met is): they would more than double the compile time.
+                values = {names[i[0]]: v for i, v in constexprs.items() if names[i[0]].isupper()}
+                pointers = {k: v for k, v in signature.items() if v.startswith("*")}
+                key = repr((kernel.__name__, arch, sorted(values.items()), sorted(pointers.items()), options))
+                launches[case["id"]].append(
+                    dict(batch=batch, kernel=kernel.__name__, arch=arch, key=key, **values)
+                )
+                todo.setdefault(key, (kernel, signature, constexprs, attrs, options, target))
+    log = _ThreadLog()
+    # Threads: ptxas runs as a subprocess and much of MLIR's work releases the GIL; Triton's own async
+    # compile mode also compiles from an executor.
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, contextlib.redirect_stdout(log):
+        futures = {key: pool.submit(_compile, *job, log) for key, job in todo.items()}
+        results = {key: future.result() for key, future in futures.items()}
+    for key, (kernel, signature, constexprs, _, options, target) in todo.items():
+        results[key]["desc"] = _describe(kernel, signature, constexprs, options, target.arch)
+    report = dict(
+        interpreted=[ta.INTERPRETED, tc.INTERPRETED],
+        launches=launches,
+        results=results,
+        seconds=time.perf_counter() - start,
+    )
+    Path(out_path).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
+    sys.exit(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tests (pytest process).
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Runs the compile subprocess once over every case; its JSON report."""
+    tmp = tmp_path_factory.mktemp("triton-compile")
+    cases_path, out_path = tmp / "cases.json", tmp / "report.json"
+    cases_path.write_text(json.dumps(CASES))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # a cold cache: every kernel is really compiled, ptxas runs
+    env["TRITON_DUMP_PTXAS_LOG"] = "1"  # `ptxas -v` reports registers and spills
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, __file__, str(cases_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"compile subprocess failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out_path.read_text())
+
+
+def test_launch_values_are_the_gpu_ones(report: dict) -> None:
+    # tile_config & co. answered for a GPU, not for the interpreter.
+    assert report["interpreted"] == [False, False]
+    compiled = report["results"].values()
+    print(f"\n{len(compiled)} distinct compiles in {report['seconds']:.1f} s")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_engine_launches_compile(report: dict, case: dict) -> None:
+    launches = report["launches"][case["id"]]
+    failures = []
+    for launch in launches:
+        result = report["results"][launch["key"]]
+        where = f"{launch['batch']}: {result['desc']}"
+        if not result["ok"]:
+            failures.append(f"{where}\n  {result['error']}")
+        elif not result["cubin_bytes"] or not set(STAGES) <= set(result["stages"]):
+            failures.append(
+                f"{where}\n  no cubin ({result['cubin_bytes']} bytes) or stages missing: {result['stages']}"
+            )
+        elif result["spill_bytes"] is None:
+            failures.append(f"{where}\n  no spill report in the ptxas log")
+        elif result["spill_bytes"]:
+            failures.append(
+                f"{where}\n  spills {result['spill_bytes']} bytes ({result['registers']} registers)"
+            )
+    assert not failures, "\n".join(dict.fromkeys(failures))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_every_path_was_launched(report: dict, case: dict) -> None:
+    """The batches reached what they were chosen for, on both archs: one pass on the decode and chunk tiles,
+    split-KV on both tiles with every SPLITS_POW2 up to 64, a store per batch."""
+    from mmserve.kernels.triton_attention import _MAX_SPLITS
+
+    launches = report["launches"][case["id"]]
+    for arch in ARCHS:
+        mine = [x for x in launches if x["arch"] == arch]
+        attn = {x["batch"]: x for x in mine if x["kernel"] == "_paged_attention_kernel"}
+        assert set(attn) == set(BATCHES)
+        assert not attn["decode"]["SPLIT"] and not attn["chunk"]["SPLIT"]
+        assert all(attn[b]["SPLIT"] for b in SPLIT_BATCHES)
+        assert attn["long-chunk"]["BLOCK_M"] == attn["chunk"]["BLOCK_M"]
+        # fp32 keeps the decode tile for chunks on a GPU (its exact dots spill otherwise).
+        if case["dtype"] == "bfloat16":
+            assert attn["chunk"]["BLOCK_M"] > attn["decode"]["BLOCK_M"]
+        reduces = [x for x in mine if x["kernel"] == "_reduce_splits_kernel"]
+        assert sorted(x["batch"] for x in reduces) == sorted(SPLIT_BATCHES)
+        pow2 = {x["SPLITS_POW2"] for x in reduces if x["batch"].startswith("long-decode")}
+        assert pow2 == {2**k for k in range(1, _MAX_SPLITS.bit_length())}
+        assert sum(x["kernel"] == "_store_kv_cache_kernel" for x in mine) == len(BATCHES)
