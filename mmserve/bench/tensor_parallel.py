@@ -188,6 +188,7 @@ def bench_tensor_parallel(
     for tp in cfg.tensor_parallel_sizes:  # before any engine starts
         check_tensor_parallel(model_cfg, tp)
     base_threads = torch.get_num_threads()
+    load_before, cpu_before = _load_average(), _cpu_times()
     llms: dict[int, LLM] = {}
     engines: dict[int, dict] = {}
     # (tp, concurrency) -> per round, its pure decode steps
@@ -237,7 +238,52 @@ def bench_tensor_parallel(
         for tp in reversed(list(llms)):
             llms[tp].close()
         torch.set_num_threads(base_threads)
-    return _report(model_dir, cfg, engines, steps, differing, base_threads, out_dir)
+    # The ranks are waited for in close(), so their CPU time is in this process's children's times now.
+    contention = {
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
+        **_other_cpu(cpu_before, _cpu_times()),
+    }
+    return _report(model_dir, cfg, engines, steps, differing, base_threads, contention, out_dir)
+
+
+def _cpu_times() -> tuple[float, float, list[int] | None]:
+    """(wall clock, CPU seconds of this process and its waited-for children, /proc/stat's cpu line)."""
+    t = os.times()
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        stat = [int(x) for x in fields]
+    except (OSError, ValueError, IndexError):
+        stat = None
+    return time.monotonic(), t.user + t.system + t.children_user + t.children_system, stat
+
+
+def _other_cpu(before: tuple, after: tuple) -> dict:
+    """CPU time the machine spent outside this benchmark (its process and ranks) while it ran, and the
+    time the hypervisor stole: a shared machine's contention, which inflates step times unevenly (a
+    two-thread engine waits at every parallel region for a descheduled thread)."""
+    wall, mine = after[0] - before[0], after[1] - before[1]
+    if before[2] is None or after[2] is None:
+        return {"wall_s": wall, "other_cpu_s": None, "steal_s": None}
+    hz = os.sysconf("SC_CLK_TCK")
+    delta = [b - a for a, b in zip(before[2], after[2], strict=False)]
+    busy = sum(delta[i] for i in (0, 1, 2, 5, 6) if i < len(delta)) / hz  # user nice system irq softirq
+    steal = delta[7] / hz if len(delta) > 7 else 0.0
+    other = max(0.0, busy - mine)
+    return {
+        "wall_s": wall,
+        "other_cpu_s": other,
+        "other_cpu_share": other / (wall * (os.cpu_count() or 1)),  # of all the machine's CPU time
+        "steal_s": steal,
+    }
+
+
+def _load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: well above the ranks' own threads, other work shared the CPUs."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _report(
@@ -247,6 +293,7 @@ def _report(
     steps: dict[tuple[int, int], list[list[StepRecord]]],
     differing: dict[tuple[int, int], int],
     base_threads: int,
+    contention: dict,
     out_dir: Path | None,
 ) -> dict:
     base_tp = 1 if 1 in cfg.tensor_parallel_sizes else cfg.tensor_parallel_sizes[0]
@@ -281,6 +328,7 @@ def _report(
             "cpu_count": os.cpu_count(),
             "torch_threads": base_threads,
             "torch_version": torch.__version__,
+            "contention": contention,
         },
         "engines": {str(tp): e for tp, e in engines.items()},
         "results": results,
@@ -341,11 +389,17 @@ def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
 def format_report(report: dict) -> str:
     m = report["machine"]
     threads = ", ".join(f"TP={tp}: {e['torch_threads_per_rank']}" for tp, e in report["engines"].items())
-    lines = [
-        f"{m['cpu_model']}, {m['cpu_count']} CPUs; torch threads per rank {threads}",
+    lines = [f"{m['cpu_model']}, {m['cpu_count']} CPUs; torch threads per rank {threads}"]
+    cont = m["contention"]
+    if cont.get("other_cpu_s") is not None:
+        lines.append(
+            f"other processes used {cont['other_cpu_s']:.1f} CPU-s ({cont['other_cpu_share']:.1%} of the "
+            f"machine) and the hypervisor stole {cont['steal_s']:.1f} s over the {cont['wall_s']:.0f} s run"
+        )
+    lines.append(
         f"{'TP':>3}{'conc':>6}{'steps':>7}{'median ms':>11}{'p90 ms':>9}{'fwd ms':>9}{'other ms':>10}"
-        f"{'tok/s':>9}{'comm B/step':>13}{'all-reduce B/tok':>18}{'vs base':>9}",
-    ]
+        f"{'tok/s':>9}{'comm B/step':>13}{'all-reduce B/tok':>18}{'vs base':>9}"
+    )
     ratios = report["step_time_ratio_to_base"]
     for tp, by_c in report["results"].items():
         for c, r in by_c.items():
