@@ -283,6 +283,20 @@ def serve(model: str, port: int, tmp_path: Path, *extra: str) -> subprocess.Pope
     )  # fmt: skip
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Until `url`/health answers 200; fails if the server exits first (with its output) or is late."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        time.sleep(0.2)
+
+
 def test_a_busy_port_and_a_missing_model_are_one_line_before_anything_loads(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -389,16 +403,7 @@ def test_two_api_servers_share_the_port_and_the_core_and_metrics_sum_over_both(
     proc = serve(str(model_dir), port, tmp_path, "--api-server-count", "2")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120)
         children = psutil.Process(proc.pid).children()
         spawned = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
         assert len(spawned) == 3  # the engine core and two API servers

@@ -25,6 +25,7 @@ from mmserve.api.server import ServerThread
 from mmserve.config import EngineArgs
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.faults import RequestFailedError
+from tests.test_engine_process import wait_healthy
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 HELLO = [{"role": "user", "content": "Describe a red circle on a white background."}]
@@ -318,16 +319,7 @@ def test_mmserve_serve_process_drains_on_sigterm_and_exits_0(model_dir: Path, tm
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_healthy(proc, url, 90)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "messages": HELLO, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
         with (

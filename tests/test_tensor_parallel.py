@@ -14,11 +14,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from mmserve.engine.encoder_split import split_encoder_work
 from mmserve.engine.faults import RequestFailedError
 from mmserve.request import MultiModalInput, PlaceholderRange
 from mmserve.scheduler.output import EncoderWork
+from tests.test_engine_process import free_port, serve, wait_healthy
 from tests.test_mm_parity import CASES, rng_image
 from tests.test_mm_parity import GREEDY as MM_GREEDY
 from tests.test_mm_parity import hf_reference as mm_reference
@@ -351,32 +350,16 @@ def test_a_dead_or_hung_rank_ends_the_engine_within_a_bound_and_leaves_no_rank(
     assert result["rank_gone"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    log = open(tmp_path / f"server-{port}.log", "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mmserve", "serve", "--model", str(model_dir), "--port", str(port),
-         "--tensor-parallel-size", "2", "--distributed-timeout-s", "5", "--data-dir", str(tmp_path / f"data-{port}")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    port = free_port()
+    proc = serve(str(model_dir), port, tmp_path, "--tensor-parallel-size", "2", "--distributed-timeout-s", "5")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, (tmp_path / f"server-{port}.log").read_text()[-3000:]
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError("the server did not become healthy")
+    try:
+        wait_healthy(proc, url, 90)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def _server_ranks(proc: subprocess.Popen) -> list[psutil.Process]:
@@ -456,7 +439,7 @@ _TWO_NODE_SCRIPT = textwrap.dedent(
 
 def test_a_rank_from_another_node_joins_by_torchrun_variables_over_tcp(tiny_model_dir: Callable[[str], Path]) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", _TWO_NODE_SCRIPT, str(tiny_model_dir("qwen2")), str(_free_port())],
+        [sys.executable, "-c", _TWO_NODE_SCRIPT, str(tiny_model_dir("qwen2")), str(free_port())],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

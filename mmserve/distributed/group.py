@@ -25,7 +25,6 @@ class CommStats:
     all_reduce_bytes: int = 0
     all_gather_bytes: int = 0
     gather_bytes: int = 0
-    num_collectives: int = 0
 
 
 class TensorParallelGroup:
@@ -103,7 +102,6 @@ class TensorParallelGroup:
             self.all_reduce(contiguous)
             return tensor.copy_(contiguous)
         self.stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-        self.stats.num_collectives += 1
         self._group(tensor).allreduce([tensor]).wait()
         return tensor
 
@@ -114,7 +112,6 @@ class TensorParallelGroup:
         tensor = tensor.contiguous()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self.stats.all_gather_bytes += tensor.numel() * tensor.element_size()
-        self.stats.num_collectives += 1
         self._group(tensor).allgather([out], [tensor]).wait()
         return out
 
@@ -125,7 +122,6 @@ class TensorParallelGroup:
             return tensor
         tensor = tensor.contiguous()
         self.stats.gather_bytes += tensor.numel() * tensor.element_size()
-        self.stats.num_collectives += 1
         options = dist.GatherOptions()
         options.rootRank = 0
         if self.is_first:

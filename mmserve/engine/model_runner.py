@@ -95,7 +95,7 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
         """Bytes one KV block takes on each rank (each holds its KV heads; replicated ones count whole)."""
-        num_kv_heads = max(1, cfg.num_kv_heads // tp_size)
+        _, num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, 0, tp_size)
         return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
     @torch.inference_mode()
@@ -112,10 +112,10 @@ class ModelRunner:
         touched = frozenset({v.request_id for v in views} | {f.request_id for f in failed})
         try:  # the requests left out fail with the step: nothing reports them now
             self.faults.check_step()
-            self.tp.take_stats()
-            out = self._execute(plan, views, rows, tuple(failed))
             if self.tp.world_size == 1:
-                return out
+                return self._execute(plan, views, rows, tuple(failed))
+            self.tp.take_stats()  # this step's collectives only
+            out = self._execute(plan, views, rows, tuple(failed))
             comm = self.tp.take_stats()
             return dataclasses.replace(
                 out, comm_bytes=comm.all_reduce_bytes + comm.all_gather_bytes + comm.gather_bytes

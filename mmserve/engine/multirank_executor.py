@@ -330,10 +330,6 @@ class MultiRankExecutor:
                 entry.unlink()
             Path(self._dir).rmdir()
 
-    def rank_pids(self) -> list[int]:
-        """Process ids of the ranks this executor started."""
-        return [p.pid for p in self._procs]
-
     # -- helpers ---------------------------------------------------------------------------------------
     def _send(self, sock: zmq.Socket, rank: int, frames: list[Any]) -> None:
         try:
