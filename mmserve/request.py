@@ -75,6 +75,69 @@ class SLO:
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of
+    `json` (a JSON schema, as JSON text), `json_object` (any JSON object), `regex`, `choice` (one of
+    these strings) or `grammar` (Lark, or GBNF when it uses `::=`). Checked by the grammar library in
+    the front end (`engine/structured_output.py`); the engine core constrains decoding with it."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs: exactly one of json, json_object, regex, choice, grammar must be "
+                f"given, got {given or 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError(
+                "structured_outputs.choice: must be a non-empty list of non-empty strings",
+                param="structured_outputs.choice",
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(
+                    f"structured_outputs.{name}: must be a non-empty string", param=f"structured_outputs.{name}"
+                )
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what compiles to one grammar, so equal constraints share a compiled one."""
+        if self.json is not None:
+            return "json", self.json
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", "\x00".join(self.choice)
+        return "grammar", self.grammar or ""
+
+
+# The most sequences one request may ask for (`n`): each holds KV blocks of its own past the prompt.
+MAX_N = 64
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. Validated once at construction."""
 
@@ -92,6 +155,10 @@ class SamplingParams:
     # as ServiceClass / SLO. The request's effective SLO is `slo` over its class's defaults.
     service_class: ServiceClass = ServiceClass.INTERACTIVE
     slo: SLO | None = None
+    # Independent sequences sampled from one prompt: the front end adds n requests, and each after the
+    # first shares the first's prompt KV blocks once that prefill is done (`Request.prefill_from`).
+    n: int = 1
+    structured_outputs: StructuredOutputs | None = None  # constrained decoding; None: free text
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from users; store tuples so the object stays hashable.
@@ -130,6 +197,10 @@ class SamplingParams:
             raise bad("logprobs", f"must be None or an integer in [0, 20], got {self.logprobs!r}")
         if not _is_int(self.priority):
             raise bad("priority", f"must be an integer, got {self.priority!r}")
+        if not _is_int(self.n) or not (1 <= self.n <= MAX_N):
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "must be a StructuredOutputs or None")
 
     @property
     def greedy(self) -> bool:
@@ -227,6 +298,9 @@ class Request:
     # positions are 0..n-1), and position of token i >= len(prompt) is i + mrope_delta.
     mrope_positions: object = None
     mrope_delta: int = 0
+    # n > 1: the request (same prompt, same media) whose prompt KV this one shares instead of
+    # computing it; it waits until that request's prefill is done. None: an ordinary request.
+    prefill_from: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

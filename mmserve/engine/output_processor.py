@@ -50,6 +50,7 @@ class RequestOutput:
     # targets: its own SLO over the server's defaults for that class (what metrics judge it by).
     service_class: ServiceClass = ServiceClass.INTERACTIVE
     slo: SLO = field(default_factory=SLO)
+    index: int = 0  # which of the request's `n` sequences this is (its choice index)
 
     @property
     def finished(self) -> bool:
