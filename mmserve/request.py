@@ -159,6 +159,26 @@ class SamplingParams:
     # first shares the first's prompt KV blocks once that prefill is done (`Request.prefill_from`).
     n: int = 1
     structured_outputs: StructuredOutputs | None = None  # constrained decoding; None: free text
+    # Logits processors, applied in this order (after any grammar mask): logit_bias, min_tokens, bad
+    # words, repetition_penalty, presence/frequency. Defaults are no-ops that cost nothing.
+    # OpenAI's: logits[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0), where
+    # count(t) is how often t occurs in the tokens generated so far (not the prompt).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' RepetitionPenaltyLogitsProcessor: for every token of the prompt or the output, a
+    # positive logit is divided by it and a negative one multiplied. 1.0: off.
+    repetition_penalty: float = 1.0
+    # (token_id, bias) added to that token's logit, sorted by token id, one entry per token; a
+    # {token_id: bias} mapping is accepted too. Token ids are checked against the vocab by the Processor.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # EOS (unless ignore_eos) and stop_token_ids are banned, and stop strings do not end the request,
+    # until min_tokens tokens have been generated. At most max_tokens.
+    min_tokens: int = 0
+    # Banned token sequences (transformers' NoBadWordsLogitsProcessor): the last token of a sequence is
+    # banned when the tokens before it end the output so far; a one-token sequence is always banned.
+    # The Processor adds each of `bad_words` tokenized with and without a leading space (vLLM's rule).
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from users; store tuples so the object stays hashable.
@@ -173,6 +193,23 @@ class SamplingParams:
             object.__setattr__(self, "top_k", None)
         object.__setattr__(self, "service_class", ServiceClass.parse(self.service_class))
         object.__setattr__(self, "slo", SLO.parse(self.slo))
+        bad_words = self.bad_words
+        if isinstance(bad_words, str):
+            bad_words = (bad_words,)
+        if not isinstance(bad_words, (list, tuple)) and bad_words is not None:
+            raise InvalidRequestError("bad_words: must be a list of strings", param="bad_words")
+        object.__setattr__(self, "bad_words", tuple(bad_words or ()))
+        sequences = self.bad_words_token_ids
+        if not isinstance(sequences, (list, tuple)) and sequences is not None:
+            raise InvalidRequestError(
+                "bad_words_token_ids: must be a list of lists of token ids", param="bad_words_token_ids"
+            )
+        object.__setattr__(  # a non-sequence entry is kept as it is and fails _validate
+            self,
+            "bad_words_token_ids",
+            tuple(tuple(seq) if isinstance(seq, (list, tuple)) else seq for seq in sequences or ()),
+        )
+        object.__setattr__(self, "logit_bias", self._parse_logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -201,6 +238,54 @@ class SamplingParams:
             raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "must be a StructuredOutputs or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-2.0 <= value <= 2.0):
+                raise bad(name, f"must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 2.0):
+            raise bad("repetition_penalty", f"must be a number in (0, 2], got {self.repetition_penalty!r}")
+        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise bad(
+                "min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must be a list of strings with at least one non-space character")
+        if not all(
+            isinstance(seq, tuple) and seq and all(_is_int(t) and t >= 0 for t in seq)
+            for seq in self.bad_words_token_ids
+        ):
+            raise bad("bad_words_token_ids", "must be a list of non-empty lists of non-negative integers")
+
+    @staticmethod
+    def _parse_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+        """{token_id: bias} or (token_id, bias) pairs -> pairs sorted by token id. Token ids may be digit
+        strings (JSON object keys). Biases must lie in [-100, 100] (OpenAI's range)."""
+
+        def bad(message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"logit_bias: {message}", param="logit_bias")
+
+        if value is None:
+            return ()
+        if isinstance(value, dict):
+            pairs = list(value.items())
+        elif isinstance(value, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in value
+        ):
+            pairs = [tuple(p) for p in value]
+        else:
+            raise bad("must be an object {token_id: bias} or a list of [token_id, bias] pairs")
+        parsed: dict[int, float] = {}
+        for token, bias in pairs:
+            if isinstance(token, str) and token.isdecimal():
+                token = int(token)
+            if not _is_int(token) or token < 0:
+                raise bad(f"token ids must be non-negative integers, got {token!r}")
+            if not _is_number(bias) or not (-100.0 <= bias <= 100.0):
+                raise bad(f"the bias of token {token} must be a number in [-100, 100], got {bias!r}")
+            if token in parsed:
+                raise bad(f"token {token} is given twice")
+            parsed[token] = float(bias)
+        return tuple(sorted(parsed.items()))
 
     @property
     def greedy(self) -> bool:
