@@ -5,6 +5,7 @@ Torch-free on purpose: the scheduler imports it. It knows token ids, never text 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -432,6 +433,29 @@ class Request:
         if self.class_override is not None:
             return self.class_override
         return self.sampling_params.service_class
+
+    def forks(self) -> list[Request]:
+        """n > 1: this request and n - 1 more with the same prompt and media, each a sequence of its own
+        (ids `<id>`, `<id>-n1`, ...); the others share its prompt KV once its prefill is done. A seeded
+        request's sequence i samples with seed + i, so the n differ but each is reproducible."""
+        params = self.sampling_params
+        requests = [self]
+        for i in range(1, params.n):
+            seed = params.seed + i if params.seed is not None else None
+            requests.append(
+                Request(
+                    f"{self.request_id}-n{i}",
+                    self.prompt_token_ids,
+                    dataclasses.replace(params, seed=seed),
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=self.arrival_time,
+                    mm_inputs=self.mm_inputs,
+                    mrope_positions=self.mrope_positions,
+                    mrope_delta=self.mrope_delta,
+                    prefill_from=self.request_id,
+                )
+            )
+        return requests
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -66,7 +66,11 @@ class KVCacheManager:
         """Longest cached prefix of a request not yet running: (block ids, number of tokens).
 
         At least one token is left to compute, so the step that finishes the prompt has logits.
+        A request that already holds blocks while waiting (`fork`) starts from those instead.
         """
+        held = self._req_blocks.get(request.request_id)
+        if held:
+            return [], request.num_computed_tokens
         if not self.enable_prefix_caching:
             return [], 0
         self._update_block_hashes(request)
@@ -114,6 +118,23 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(request, num_tokens_after)
         return new_blocks
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Let a waiting `child` with the same prompt share the parent's full prompt blocks, whose KV is
+        written (the parent's prefill is done): the child holds a reference to each and starts with
+        them as computed. The block holding the prompt's last token is not shared, so the child still
+        computes that token (its own logits) and writes into blocks of its own. Returns the tokens shared."""
+        if child.request_id in self._req_blocks or child.prompt_token_ids != parent.prompt_token_ids:
+            return 0
+        num_shared = (child.num_prompt_tokens - 1) // self.block_size
+        blocks = self._req_blocks.get(parent.request_id, [])[:num_shared]
+        if not blocks or len(blocks) < num_shared or parent.num_computed_tokens < num_shared * self.block_size:
+            return 0
+        for block_id in blocks:
+            self._ref_cnt[block_id] += 1  # held by the parent: never on the free list
+        self._req_blocks[child.request_id] = list(blocks)  # registered (or not) by the parent already
+        child.num_computed_tokens = num_shared * self.block_size
+        return child.num_computed_tokens
 
     def free(self, request: Request) -> None:
         """Release a request's blocks. Tail blocks are freed first, so they are evicted first."""

@@ -104,6 +104,9 @@ class Scheduler:
         # What the runner has been sent of each running request: (token ids, block ids). A request
         # absent here is sent whole (NewRequestData) the next time it is scheduled.
         self._sent: dict[str, tuple[int, int]] = {}
+        self._held: set[str] = set()  # waiting requests not to be scheduled yet (their grammar compiles)
+        # n > 1: request id -> the waiting requests that share its prompt KV once its prefill is done.
+        self._forks: dict[str, list[Request]] = {}
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,7 +133,27 @@ class Scheduler:
         request.arrival_seq = next(self._arrival_seq)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        parent = self.requests.get(request.prefill_from) if request.prefill_from is not None else None
+        if parent is not None and not parent.num_output_tokens:
+            self._forks.setdefault(parent.request_id, []).append(request)
         self._enqueue_waiting(request)
+
+    def hold(self, request_id: str) -> None:
+        """Keep a waiting request out of the plans until `release` (e.g. while its grammar compiles)."""
+        if request_id in self.requests:
+            self._held.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._held.discard(request_id)
+
+    def admissible_waiting(self) -> list[Request]:
+        """The waiting requests that may be admitted now, in policy order: not held, and not a fork
+        whose parent is still computing the prompt they share."""
+        return [r for r in self.waiting if r.request_id not in self._held and not self._awaits_fork(r)]
+
+    def _awaits_fork(self, request: Request) -> bool:
+        parent_id = request.prefill_from
+        return parent_id is not None and any(c is request for c in self._forks.get(parent_id, ()))
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """End a request from outside (abort, stop string). False if it is unknown or already done."""
@@ -321,6 +344,8 @@ class Scheduler:
             request.last_token_time = now
             if request.first_token_time is None:
                 request.first_token_time = now
+            for child in self._forks.pop(request_id, ()):  # its prompt KV is written: share it
+                self.kv.fork(request, child)
             status = self._check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
@@ -366,8 +391,9 @@ class Scheduler:
     def _schedule_waiting(self, step: _Step) -> None:
         if not self.policy.admit_while_running and self.running:
             return
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        for request in self.admissible_waiting():
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached
             # Whole prefills only; but a preempted request's prompt + outputs may outgrow the budget,
@@ -519,6 +545,11 @@ class Scheduler:
         self.kv.free(request)
         self.encoder_cache.release_all(request.request_id)
         self._sent.pop(request.request_id, None)
+        self._held.discard(request.request_id)
+        self._forks.pop(request.request_id, None)  # its forks compute the prompt themselves
+        siblings = self._forks.get(request.prefill_from or "")
+        if siblings is not None and request in siblings:
+            siblings.remove(request)
         request.status = status
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
