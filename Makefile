@@ -1,27 +1,38 @@
-# `make serve` and `make test` each create .venv if missing and install the project into it first.
+# `make serve` and `make test` each create .venv if missing and install the project into it first:
+# `serve` the runtime dependencies only, `test` (and `lint`) the `[test]` extra too. Each install has its
+# own stamp, so `make test` after `make serve` still installs the test extra.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL ?= demo
+# The model id clients send as "model" (and GET /v1/models lists): the last part of MODEL, so `demo` by default.
+SERVED_MODEL_NAME ?= $(notdir $(patsubst %/,%,$(MODEL)))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test lint soak
+.PHONY: install install-test serve test lint soak
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[test]'
+$(PY):
+	python3 -m venv $(VENV)
+
+$(VENV)/.installed-runtime: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
 	touch $@
 
-install: $(VENV)/.installed
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@ $(VENV)/.installed-runtime
+
+install: $(VENV)/.installed-runtime
+install-test: $(VENV)/.installed-test
 
 # Serves the OpenAI-compatible API and WebSocket chat on http://$(HOST):$(PORT) (Ctrl-C stops it).
 serve: install
-	$(PY) -m mmserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+	$(PY) -m mmserve serve --model $(MODEL) --served-model-name $(SERVED_MODEL_NAME) --host $(HOST) --port $(PORT)
 
-lint: install
+lint: install-test
 	$(PY) -m ruff check .
 
-test: install lint
+test: install-test lint
 	$(PY) -m pytest -q
 
 # Minutes of mixed traffic (text, images, video; HTTP and WebSocket; cancels and disconnects) against an
