@@ -28,8 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="chat in the terminal with a running server (over its WebSocket)")
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     chat.add_argument("--api-key", default=None, help="API key (default: $MMSERVE_API_KEY)")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=_chat_max_tokens, default=256, help="at least 1 (default: 256)")
+    chat.add_argument("--temperature", type=_chat_temperature, default=0.7, help="0 to 2, as the API (default: 0.7)")
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
     tiny.add_argument("out_dir", type=Path)
@@ -77,6 +77,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return run_bench_command(args, rest)
     return 2
+
+
+def _chat_temperature(text: str) -> float:
+    """`chat --temperature`: the API's range, [0, 2], checked before connecting."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"{text} is outside [0, 2]")
+    return value
+
+
+def _chat_max_tokens(text: str) -> int:
+    """`chat --max-tokens`: a whole number of at least 1, as the API."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is less than 1")
+    return value
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
