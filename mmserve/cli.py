@@ -133,7 +133,28 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="where uploads are stored (env MMSERVE_DATA_DIR; default ~/.cache/mmserve/data)",
     )
     serve.add_argument(
-        "--served-model-name", default=None, help="the model id clients see (default: --model)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model id(s) requests may name; responses echo the first (default: --model); others: 404",
+    )
+    serve.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        help="a chat template file used instead of the checkpoint's",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how tool calls are read out of the output: hermes | qwen3_xml (default: from the chat template)",
+    )
+    serve.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "vllm"],
+        help="auto: the checkpoint's generation_config.json sets the default temperature, top_p, top_k and "
+        "repetition_penalty; vllm: OpenAI's defaults",
     )
     serve.add_argument(
         "--allowed-local-media-path", type=Path, default=None, help="chat may read files under DIR"
@@ -300,7 +321,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         api_key=args.api_key or None,
         data_dir=args.data_dir,
-        served_model_name=args.served_model_name,
+        served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
+        chat_template=_read_chat_template(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
+        generation_config=args.generation_config,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(d.strip() for d in args.allowed_media_domains.split(",") if d.strip()),
         max_image_upload_bytes=args.max_image_upload_bytes,
@@ -326,6 +350,15 @@ def _serve(args: argparse.Namespace) -> int:
         engine_process=not args.no_engine_process,
     )
     return run_server(options, api_server_count=args.api_server_count)
+
+
+def _read_chat_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SystemExit(f"mmserve: --chat-template {path}: {exc.strerror or exc}") from None
 
 
 def _model_or_fallback(model: str) -> str:

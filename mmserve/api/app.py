@@ -1,5 +1,5 @@
 """`create_app(engine, settings)`: the FastAPI app — shared state, auth, body caps, /health, /v1/models,
-/metrics, and the routers of chat completions, WebSocket chat and files."""
+/metrics, and the routers of chat completions, completions, tokenize, WebSocket chat and files."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Annotated
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -42,6 +42,17 @@ class ServerState:
     metrics: MetricsExporter
     started: int  # unix time
     limiter: ConcurrencyLimiter  # requests in progress per API key
+    model_names: tuple[str, ...] = ()  # every name `model` may hold; model_name (echoed) is the first
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # the checkpoint's sampling defaults
+
+    def check_model(self, name: str | None) -> None:
+        """A request's `model` must name a served model (None: the default one); otherwise 404."""
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(self.model_names)})",
+                           code="model_not_found", param="model", type="invalid_request_error")  # fmt: skip
+
+    def model_card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, created=self.started, max_model_len=self.engine.max_model_len)
 
 
 def get_state(request: Request) -> ServerState:
@@ -70,11 +81,20 @@ def create_app(
     engine: AsyncEngine, settings: ServerSettings | None = None, *, own_engine: bool = False
 ) -> FastAPI:
     """`own_engine`: shut the engine down (draining for `shutdown_timeout_s`) when the app stops."""
-    from mmserve.api import chat_ws, files, openai_routes, page  # routers import get_state from here
+    from mmserve.api import (  # routers import get_state from here
+        chat_ws,
+        completions_routes,
+        convert,
+        files,
+        openai_routes,
+        page,
+        tokenize_routes,
+    )
 
     settings = settings or ServerSettings()
     log_safety.install()  # no ?api_key= in uvicorn's handshake log lines
-    model_name = settings.served_model_name or engine.model_name
+    model_names = settings.model_names or (engine.model_name,)
+    model_name = model_names[0]
     mm = engine.processor.mm_processor
     limits = mm.limits if mm is not None else DEFAULT_LIMITS
     # One pool of decode workers for chat media and upload validation (a text-only model gets its own).
@@ -85,7 +105,9 @@ def create_app(
     metrics = MetricsExporter(engine.stats, model_name)
     engine.stat_loggers.append(metrics)
     state = ServerState(engine, settings, model_name, store, MediaResolver(store, settings), metrics,
-                        int(time.time()), ConcurrencyLimiter(settings.max_concurrent_requests_per_key))  # fmt: skip
+                        int(time.time()), ConcurrencyLimiter(settings.max_concurrent_requests_per_key), model_names,
+                        convert.generation_defaults(engine.args.model) if settings.generation_config == "auto"
+                        else {})  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -143,10 +165,16 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models() -> ModelList:
-        card = ModelCard(id=model_name, created=state.started, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[state.model_card(name) for name in model_names])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
+    async def model(model_id: str) -> ModelCard:
+        state.check_model(model_id)
+        return state.model_card(model_id)
 
     app.include_router(openai_routes.router, dependencies=[Depends(require_api_key)])
+    app.include_router(completions_routes.router, dependencies=[Depends(require_api_key)])
+    app.include_router(tokenize_routes.router, dependencies=[Depends(require_api_key)])
     app.include_router(files.router, dependencies=[Depends(require_api_key)])
     app.include_router(chat_ws.router)  # checks the key itself (header or ?api_key=)
     app.include_router(page.router)  # the web chat page at / (public; it calls the API with the user's key)

@@ -12,24 +12,31 @@ import sys
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
 from mmserve.api import convert
 from mmserve.api.app import ServerState, check_api_key
+from mmserve.api.chat_request import prepare_chat
 from mmserve.api.errors import APIError, from_engine_error, validation_error
 from mmserve.api.limits import bearer, key_id
+from mmserve.api.openai_routes import refuse_unsupported
 from mmserve.api.protocol import (
     ClientEvent,
+    FunctionCallOut,
     ResponseCancelEvent,
     ResponseCreateEvent,
     ResponseObject,
     ResponseStatus,
+    ToolCallOut,
     response_event,
 )
 from mmserve.engine.output_processor import RequestOutput
+
+if TYPE_CHECKING:
+    from mmserve.api.tool_parsers import ToolCallDelta
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -79,7 +86,10 @@ class _Session:
         while True:
             text = await self._outbox.get()
             try:
-                if sys.version_info >= (3, 11):  # a deadline on this task: no task per frame, as wait_for made
+                if sys.version_info >= (
+                    3,
+                    11,
+                ):  # a deadline on this task: no task per frame, as wait_for made
                     async with asyncio.timeout(timeout):
                         await self.ws.send_text(text)
                 else:
@@ -136,6 +146,7 @@ class _Session:
         self.started.add(response_id)
         out: RequestOutput | None = None
         text = ""
+        calls: list[ToolCallDelta] = []
         release = None
         try:
             release = state.limiter.acquire(self.key)  # 429 error event if the key has no slot left
@@ -143,20 +154,36 @@ class _Session:
             await self.send(response_event("response.created", created))
             if response_id in self.cancel_requested:
                 raise asyncio.CancelledError
-            messages, counts = await state.resolver.resolve(event.response.messages)
-            params = convert.sampling_params(event.response, state.engine.max_model_len)
+            fields = event.response
+            refuse_unsupported(fields)
+            if fields.n != 1:  # one output_text per response: ask for several responses instead
+                raise APIError(400, "n: a WebSocket response has one output; send several response.create",
+                               code="unsupported_parameter", param="n")  # fmt: skip
+            chat = await prepare_chat(state, fields)
             engine_id = f"{self.id}-{response_id}"
-            state.metrics.count_media(counts)
-            async with aclosing(state.engine.chat(messages, params, engine_id, arrival_time=arrival_time)) as stream:
+            state.metrics.count_media(chat.counts)
+            reader = chat.tool_parser.stream(tools=chat.tools) if chat.tool_parser is not None else None
+            stream = state.engine.chat(
+                chat.messages, chat.params, engine_id, arrival_time=arrival_time, **chat.template
+            )
+            async with aclosing(stream):
                 async for out in stream:
-                    if out.new_text:
-                        text += out.new_text
+                    if len(out.token_ids) == len(out.new_token_ids):  # the first output: the prompt is known
+                        convert.check_max_tokens(fields.max_tokens, len(out.prompt_token_ids),
+                                                 state.engine.max_model_len)  # fmt: skip
+                    delta = out.new_text
+                    if reader is not None:
+                        parts = [reader.feed(out.new_text)] + ([reader.finish()] if out.finished else [])
+                        delta = "".join(p.content or "" for p in parts)
+                        calls.extend(c for p in parts for c in p.tool_calls)
+                    if delta:
+                        text += delta
                         await self.send({"type": "response.output_text.delta", "response_id": response_id,
-                                         "delta": out.new_text})  # fmt: skip
+                                         "delta": delta})  # fmt: skip
             status = _STATUS.get(out.finish_reason if out else None, "failed")
             if out is not None and out.finish_reason == "abort" and out.stop_reason == "shutdown":
                 status = "incomplete"  # the server ended it while shutting down, not the client
-            await self._done(response_id, status, text, out)
+            await self._done(response_id, status, text, out, tool_calls=_tool_calls(calls))
         except asyncio.CancelledError:  # response.cancel, or the socket closed (then nothing is sent)
             await self._done(response_id, "cancelled", text, out)
         except Exception as exc:  # one response fails, the socket stays open
@@ -172,11 +199,14 @@ class _Session:
 
     async def _done(
         self, response_id: str, status: ResponseStatus, text: str, out: RequestOutput | None,
-        err: APIError | None = None,
+        err: APIError | None = None, tool_calls: list[ToolCallOut] | None = None,
     ) -> None:  # fmt: skip
+        finish_reason = "cancelled" if status == "cancelled" else (out.finish_reason if out else None)
+        if tool_calls and status == "completed":
+            finish_reason = "tool_calls"
         response = ResponseObject(
-            id=response_id, status=status, output_text=text,
-            finish_reason="cancelled" if status == "cancelled" else (out.finish_reason if out else None),
+            id=response_id, status=status, output_text=text, tool_calls=tool_calls or None,
+            finish_reason=finish_reason,
             usage=convert.usage(out) if out else None,
             metrics=convert.response_metrics(out) if out else None,
             error=err.info() if err else None,
@@ -254,6 +284,18 @@ async def chat_ws(ws: WebSocket) -> None:
         if session.drop_reason is not None:  # best effort: a peer that does not read may never take it
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ws.close(code=1008, reason="not reading"), 1.0)
+
+
+def _tool_calls(deltas: list[ToolCallDelta]) -> list[ToolCallOut]:
+    """The streamed fragments of the tool calls, joined into whole calls."""
+    calls: dict[int, ToolCallOut] = {}
+    for d in deltas:
+        if d.index not in calls:
+            calls[d.index] = ToolCallOut(
+                id=d.id or "", function=FunctionCallOut(name=d.name or "", arguments="")
+            )
+        calls[d.index].function.arguments += d.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 def _event_id(text: str) -> str | None:

@@ -6,6 +6,7 @@ Engine knobs live in `EngineArgs`; these never reach the engine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,7 +18,12 @@ class ServerSettings(BaseModel):
 
     api_key: str | None = None  # None: no auth. /health and /metrics are always open.
     data_dir: Path = Path("mmserve-data")  # uploads: blobs/<sha256>, files/<id>.json
-    served_model_name: str | None = None  # the model id clients send and see; None: the engine's path
+    # The model id(s) clients send; responses echo the first. None: the engine's path. Any other `model` is a 404.
+    served_model_name: str | tuple[str, ...] | None = None
+    chat_template: str | None = None  # --chat-template: the template text used instead of the checkpoint's
+    tool_call_parser: str | None = None  # --tool-call-parser; None: chosen from the chat template
+    # "auto": the checkpoint's generation_config.json gives the sampling defaults; "vllm": OpenAI's defaults.
+    generation_config: Literal["auto", "vllm"] = "auto"
     max_body_bytes: int = Field(default=64 * MiB, gt=0)  # any non-upload request body (data URLs inline)
     max_image_upload_bytes: int = Field(default=20 * 1000 * 1000, gt=0)
     max_video_upload_bytes: int = Field(default=200 * 1000 * 1000, gt=0)
@@ -36,6 +42,14 @@ class ServerSettings(BaseModel):
     ws_send_queue_events: int = Field(default=1024, gt=0)  # events queued for a socket; beyond: dropped
     ws_send_timeout_s: float = Field(default=30.0, gt=0)  # one frame may wait this long to be sent
     cors_allow_origins: tuple[str, ...] = ()  # () : no CORS headers at all (browsers refuse cross-origin)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The served names, the first being the one responses echo; () : the engine's path."""
+        name = self.served_model_name
+        if name is None:
+            return ()
+        return (name,) if isinstance(name, str) else tuple(name)
 
     @property
     def max_upload_bytes(self) -> int:

@@ -201,9 +201,12 @@ class AsyncEngine:
         request_id: str | None = None,
         *,
         arrival_time: float | None = None,
+        **template: Any,
     ) -> AsyncIterator[RequestOutput]:
+        """`template`: the chat template's options (`Processor.chat_prompt`: tools, add_generation_prompt,
+        continue_final_message, chat_template, chat_template_kwargs)."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        prompt = self.processor.chat_prompt(messages)
+        prompt = self.processor.chat_prompt(messages, **template)
         async for output in self.generate(prompt, params, request_id, arrival_time=arrival_time):
             yield output
 

@@ -75,10 +75,27 @@ class Processor:
             request.mrope_delta = expanded.mrope_delta
         return request, text
 
-    def chat_prompt(self, messages: Sequence[Message]) -> dict[str, Any]:
+    def chat_prompt(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """A conversation with OpenAI-style content parts -> {"prompt", "images", "videos"}, media in the
-        order their parts appear (which is the order the template writes their placeholders)."""
-        text = self.apply_chat_template(messages)
+        order their parts appear (which is the order the template writes their placeholders). The keyword
+        options are `apply_chat_template`'s."""
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         images: list[object] = []
         videos: list[object] = []
         for message in messages:
@@ -97,11 +114,26 @@ class Processor:
                     videos.append(_part_source(part, kind))
                 elif kind != "text":
                     raise InvalidRequestError(
-                        f"messages: unknown content part type {kind!r}", param="messages"
+                        f"messages: unknown content part type {kind!r}; expected one of text, image_url, "
+                        "video_url, image, video",
+                        param="messages",
                     )
         return {"prompt": text, "images": images, "videos": videos}
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text of a conversation. `tools` (OpenAI tool dicts) are written by the template;
+        `continue_final_message` leaves the last message open, so the model continues it (vLLM's option;
+        not with `add_generation_prompt`); `chat_template`: a template text used instead of the checkpoint's;
+        `chat_template_kwargs`: extra variables for the template."""
         if (
             not isinstance(messages, Sequence)
             or not messages
@@ -110,13 +142,25 @@ class Processor:
             raise InvalidRequestError(
                 "messages: must be a non-empty list of {role, content} objects", param="messages"
             )
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message: cannot be combined with add_generation_prompt",
+                param="continue_final_message",
+            )
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages),
+                tools=list(tools) if tools else None,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **dict(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja raises many types; the user sees one clear error
+            param = "chat_template" if chat_template is not None else "messages"
             raise InvalidRequestError(
-                f"messages: the chat template could not render them ({exc})", param="messages"
+                f"{param}: the chat template could not render the messages ({exc})", param=param
             ) from exc
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
