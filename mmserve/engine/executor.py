@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.sampler import GrammarBitmask
 from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(Protocol):
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one plan. Raises `StepFault` when the step fails after device work began."""
+    def execute_model(self, plan: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        """Run one plan (`grammar`: token masks of its constrained requests). Raises `StepFault` when the step fails after device work began."""
         ...
 
     def reset_encoder_cache(self) -> None:
@@ -50,8 +51,8 @@ class InProcessExecutor:
     def __init__(self, runner: ModelRunner) -> None:
         self._runner = runner
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self._runner.execute(plan)
+    def execute_model(self, plan: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
+        return self._runner.execute(plan, grammar)
 
     def reset_encoder_cache(self) -> None:
         self._runner.reset_encoder_cache()

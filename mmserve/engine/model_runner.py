@@ -28,7 +28,7 @@ from mmserve.distributed.group import TensorParallelGroup
 from mmserve.encoders.vision import VisionTower
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
-from mmserve.engine.sampler import Sampler, SamplingMetadata
+from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
 from mmserve.kernels.dispatch import get_attention_backend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
@@ -99,9 +99,10 @@ class ModelRunner:
         return 2 * cfg.num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Runs the plan minus the requests whose inputs fail to build (`failed` in the output). Raises
-        `StepFault` if the step fails after device work began."""
+        `StepFault` if the step fails after device work began. `grammar`: the token masks of the
+        constrained requests (a request of it that does not sample in this step is skipped)."""
         for key in plan.freed_encoder_keys:
             self.encoder_cache.pop(key, None)
         try:
@@ -113,9 +114,9 @@ class ModelRunner:
         try:  # the requests left out fail with the step: nothing reports them now
             self.faults.check_step()
             if self.tp.world_size == 1:
-                return self._execute(plan, views, rows, tuple(failed))
+                return self._execute(plan, views, rows, tuple(failed), grammar)
             self.tp.take_stats()  # this step's collectives only
-            out = self._execute(plan, views, rows, tuple(failed))
+            out = self._execute(plan, views, rows, tuple(failed), grammar)
             comm = self.tp.take_stats()
             return dataclasses.replace(
                 out, comm_bytes=comm.all_reduce_bytes + comm.all_gather_bytes + comm.gather_bytes
@@ -175,7 +176,12 @@ class ModelRunner:
         return kept, [rows[v.request_id] for v in kept], failed
 
     def _execute(
-        self, plan: SchedulerOutput, views: list[StepView], rows: list[_Rows], failed: tuple[FailedRequest, ...]
+        self,
+        plan: SchedulerOutput,
+        views: list[StepView],
+        rows: list[_Rows],
+        failed: tuple[FailedRequest, ...],
+        grammar: GrammarBitmask | None = None,
     ) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._run_encoder(plan.encoder_work)
@@ -194,7 +200,13 @@ class ModelRunner:
         if logits is None:  # a prefill chunk that samples nothing, or a rank that does not sample
             return ModelRunnerOutput((), (), (), failed, encoder_s, sampling_start - forward_start, 0.0)
         metadata = SamplingMetadata.from_params(
-            [v.state.data.sampling_params for v in sampled], [v.num_output_tokens for v in sampled], self.device
+            [v.state.data.sampling_params for v in sampled],
+            [v.num_output_tokens for v in sampled],
+            self.device,
+            token_ids=[v.state.token_ids for v in sampled],  # prompt + outputs, read only by the penalties
+            eos_token_ids=self.cfg.eos_token_ids,
+            vocab_size=logits.shape[1],
+            grammar=grammar.for_rows([v.request_id for v in sampled]) if grammar is not None else None,
         )
         out = self.sampler(logits, metadata)
         # The step's only host sync: copy every result at once.

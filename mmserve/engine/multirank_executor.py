@@ -62,6 +62,7 @@ from mmserve.engine.rank_worker import (
     joining_key,
     plan_key,
 )
+from mmserve.engine.sampler import GrammarBitmask
 from mmserve.engine.serial import Decoder
 from mmserve.models.config import DecoderConfig
 from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -230,7 +231,7 @@ class MultiRankExecutor:
             raise EngineFatalError(f"the tensor-parallel ranks failed to start: {self._dead}")
 
     # -- Executor --------------------------------------------------------------------------------------
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, plan: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         self.check_health()
         shared, per_rank = self._plan_encoder.encode(plan)
         with self._lock:
@@ -240,7 +241,7 @@ class MultiRankExecutor:
                     self._send(sock, rank, pixels)
                 self._send(sock, rank, shared)
         try:
-            return self._runner.execute(plan)
+            return self._runner.execute(plan, grammar)  # only rank 0 samples: the others never need it
         except StepFault as fault:
             if fault.ranks_agree:
                 raise

@@ -531,7 +531,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if (not params.ignore_eos and token_id in request.eos_token_ids) or token_id in params.stop_token_ids:
+        # Below min_tokens, EOS and stop tokens do not stop (the sampler bans them; this holds anyway).
+        if request.num_output_tokens >= params.min_tokens and (
+            (not params.ignore_eos and token_id in request.eos_token_ids) or token_id in params.stop_token_ids
+        ):
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
