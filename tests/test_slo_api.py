@@ -178,7 +178,7 @@ def test_slo_is_validated(http: httpx.Client, slo: Any, param: str) -> None:
 
 
 def test_unknown_service_tier_is_refused(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", json=body(service_tier="scale"))
+    r = http.post("/v1/chat/completions", json=body(service_tier="turbo"))
     assert r.status_code == 422 and r.json()["error"]["param"] == "service_tier"
 
 

@@ -38,6 +38,24 @@ class ChatParams(TypedDict, total=False):
     # OpenAI's tier: "flex" runs as batch work, anything else as interactive (under the slo policy).
     service_tier: ServiceTier | None
     slo: SLOTargets | Mapping[str, float] | None  # mmserve extension: this request's own latency targets
+    max_completion_tokens: int | None
+    n: int | None  # choices per request (choices[i].index)
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logit_bias: Mapping[str, float] | None  # {"token id": bias in [-100, 100]}
+    repetition_penalty: float | None  # vLLM extension
+    min_tokens: int | None  # vLLM extension
+    stop_token_ids: list[int] | None  # vLLM extension
+    bad_words: list[str] | None  # vLLM extension
+    response_format: Mapping[str, Any] | None  # {"type": "json_object"} or {"type": "json_schema", ...}
+    structured_outputs: Mapping[str, Any] | None  # vLLM: {json | regex | choice | grammar | json_object}
+    tools: list[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None  # "auto" | "none" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None
+    add_generation_prompt: bool | None  # chat template options (vLLM's)
+    continue_final_message: bool | None
+    chat_template: str | None
+    chat_template_kwargs: Mapping[str, Any] | None
     stream_options: Mapping[str, Any] | None  # e.g. {"include_usage": True}
     extra_body: Mapping[str, Any] | None  # merged into the body last (fields this SDK does not know)
     timeout: TimeoutTypes  # this call only; default: the client's

@@ -10,7 +10,7 @@ from typing import Any, Literal, TypedDict
 from pydantic import BaseModel, ConfigDict
 
 # OpenAI's service tiers: "flex" runs as batch work, the others as interactive (server policy `slo`).
-ServiceTier = Literal["auto", "default", "flex", "priority"]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class SLOTargets(TypedDict, total=False):
@@ -26,10 +26,15 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class PromptTokensDetails(_Model):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(_Model):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(_Model):
@@ -52,6 +57,7 @@ class ChoiceLogprobs(_Model):
 class ChatCompletionMessage(_Model):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = []  # OpenAI's shape: {"id", "type": "function", "function": {...}}
 
 
 class Choice(_Model):
@@ -74,6 +80,7 @@ class ChatCompletion(_Model):
 class ChoiceDelta(_Model):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # streamed fragments: {"index", "id"?, "function": {...}}
 
 
 class ChunkChoice(_Model):
