@@ -102,6 +102,7 @@ class AsyncEngine:
         self.stat_loggers = list(stat_loggers)
         self._outputs = OutputProcessor(self.tokenizer, self.info.scheduler_config.class_slo)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._forks: dict[str, list[str]] = {}  # n > 1: request id -> its other sequences' ids
         # Guards _streams, _outputs and _num_pending (the output thread and the callers' threads).
         self._lock = threading.Lock()
         self._num_pending = 0  # sent to the core, not yet counted by its stats
@@ -162,7 +163,9 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs: each carries the new text/tokens and the totals so far;
         the last has `finish_reason` set. Closing the iterator early aborts the request.
-        `arrival_time` (time.monotonic()): when the server received it; TTFT counts from there."""
+        `arrival_time` (time.monotonic()): when the server received it; TTFT counts from there.
+        With `params.n > 1` the outputs of the n sequences come interleaved, each with its `index`
+        (and totals of its own sequence); the stream ends once all n have finished."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         request_id = request_id or f"req-{next(self._ids)}"
         self._check_accepting()
@@ -170,29 +173,35 @@ class AsyncEngine:
         request, text = await loop.run_in_executor(
             None, self.processor.process, prompt, params, request_id, arrival_time
         )
-        stream: asyncio.Queue[Any] = asyncio.Queue()
+        requests = request.forks()  # [request] unless n > 1
+        stream: asyncio.Queue[Any] = asyncio.Queue()  # one queue for all n sequences
         with self._lock:
-            if request_id in self._streams:
+            if any(r.request_id in self._streams for r in requests):
                 raise MMServeError(f"request id {request_id!r} is already in use")
             self._check_accepting()
-            self._streams[request_id] = (loop, stream)
-            self._outputs.add_request(request, text, time.monotonic())
-            self._num_pending += 1
-        finished = False
+            now = time.monotonic()
+            for index, r in enumerate(requests):
+                self._streams[r.request_id] = (loop, stream)
+                self._outputs.add_request(r, text, now, index)
+            if len(requests) > 1:
+                self._forks[request_id] = [r.request_id for r in requests[1:]]
+            self._num_pending += len(requests)
+        num_open = len(requests)
         try:
-            self._client.add_request(request)
-            while True:
+            for r in requests:
+                self._client.add_request(r)
+            while num_open:
                 item = await stream.get()
                 if item is _STREAM_END:
-                    finished = True
-                    return
+                    num_open -= 1
+                    continue
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
                 yield item
         finally:
-            if not finished:  # the consumer went away (disconnect, cancel): free the request
-                self.abort(request_id)
+            # Consumer gone (disconnect, cancel), or one sequence failed: free what is still running.
+            # (Finished ones are no-ops for abort.)
+            self.abort(request_id)
 
     async def chat(
         self,
@@ -216,6 +225,9 @@ class AsyncEngine:
         with self._lock:
             final = self._outputs.abort_request(request_id)
             entry = self._streams.pop(request_id, None)
+            forks = self._forks.pop(request_id, [])
+        for fork_id in forks:  # the request's other sequences (n > 1)
+            self.abort(fork_id, stop_reason)
         if entry is None and final is None:
             return
         with contextlib.suppress(Exception):  # the core may be gone already: nothing to free there
@@ -426,4 +438,5 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
         new_token_ids=list(out.new_token_ids),
         service_class=out.service_class,
         slo=out.slo,
+        index=out.index,
     )

@@ -13,6 +13,7 @@ or left lockstep) and `EngineLoopKilled` (tests) escape: the engine cannot go on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -25,9 +26,11 @@ from mmserve.engine.executor import Executor, InProcessExecutor
 from mmserve.engine.faults import EngineFatalError, StepFault
 from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
 from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.structured_output import StructuredOutputManager
 from mmserve.models.config import DecoderConfig
 from mmserve.models.parallel import check_tensor_parallel
 from mmserve.request import Request, RequestStatus
+from mmserve.scheduler.output import EngineCoreOutput
 from mmserve.scheduler.scheduler import Scheduler, SchedulerStats
 from mmserve.scheduler.step_time import StepFeatures
 
@@ -37,6 +40,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _CPU_KV_CACHE_MEMORY = 2 << 30  # default KV pool on CPU when neither blocks nor memory are given
 _GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after the weights load
 _FAILED = "the request failed inside the engine"
+_GRAMMAR_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar to compile
 
 __all__ = ["EngineCore", "EngineCoreOutputs", "StepRecord"]
 
@@ -89,6 +93,7 @@ class EngineCore:
         # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
         # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
         self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
+        self._structured: StructuredOutputManager | None = None  # made for the first constrained request
 
     @property
     def max_model_len(self) -> int:
@@ -113,12 +118,23 @@ class EngineCore:
         )
 
     def add_request(self, request: Request) -> None:
-        """Raises MMServeError (InvalidRequestError, SloInfeasibleError...) if the scheduler refuses it."""
+        """Raises MMServeError (InvalidRequestError, SloInfeasibleError...) if the scheduler refuses it.
+        A constrained request waits in the scheduler, held, until its grammar is compiled."""
         self._scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            if self._structured is None:
+                self._structured = StructuredOutputManager(
+                    self.args.model, self.model_config.vocab_size, request.eos_token_ids
+                )
+            self._scheduler.hold(request.request_id)
+            self._structured.submit(request)
 
     def abort_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        request_ids = list(request_ids)
         for request_id in request_ids:
             self._scheduler.finish_request(request_id, status)
+        if self._structured is not None:
+            self._structured.drop(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to serve, or finished ones the workers have not been told of (one more step)."""
@@ -126,18 +142,29 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
-        scheduler = self._scheduler
+        scheduler, structured = self._scheduler, self._structured
         try:
+            outputs = self._admit_compiled_grammars()
             plan = scheduler.schedule()
             if not plan.has_work:
-                return EngineCoreOutputs((), scheduler.stats())
+                if structured is not None and structured.has_pending():
+                    structured.wait(_GRAMMAR_WAIT_S)  # nothing else to do: don't spin meanwhile
+                return EngineCoreOutputs(tuple(outputs), scheduler.stats())
+            grammar_start = time.perf_counter()
+            grammar = structured.bitmask(plan) if structured is not None else None
+            grammar_s = time.perf_counter() - grammar_start
             try:
-                runner_output = self.executor.execute_model(plan)
+                runner_output = self.executor.execute_model(plan, grammar)
             except StepFault as fault:  # failed on the device: the requests it touched fail
                 logger.error("engine step failed; failing the requests of that step", exc_info=fault)
                 self.executor.reset_encoder_cache()
-                return EngineCoreOutputs(tuple(scheduler.fail_step(fault.request_ids, _FAILED)), scheduler.stats())
-            outputs = scheduler.update(plan, runner_output)
+                outputs += scheduler.fail_step(fault.request_ids, _FAILED)
+                self._forget_finished_grammars()
+                return EngineCoreOutputs(tuple(outputs), scheduler.stats())
+            updated = scheduler.update(plan, runner_output)
+            grammar_start = time.perf_counter()
+            outputs += self._apply_grammars(updated)
+            grammar_s += time.perf_counter() - grammar_start
         except EngineFatalError:
             raise
         except Exception:  # state unknown: every request in flight fails, not the engine
@@ -145,6 +172,7 @@ class EngineCore:
             scheduler.forget_cached_state()
             self.executor.reset_encoder_cache()
             failed = scheduler.fail_requests(scheduler.request_ids(), _FAILED)
+            self._forget_finished_grammars()
             return EngineCoreOutputs(tuple(failed), scheduler.stats())
         record = None
         if not plan.is_empty or plan.encoder_work:
@@ -162,8 +190,53 @@ class EngineCore:
                 runner_output.forward_s,
                 runner_output.sampling_s,
                 runner_output.comm_bytes,
+                grammar_s,
             )
         return EngineCoreOutputs(tuple(outputs), scheduler.stats(), record)
+
+    def has_pending_grammars(self) -> bool:
+        """Requests held until their grammar compiles: the engine is waiting, not stuck."""
+        return self._structured is not None and self._structured.has_pending()
+
+    def _admit_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Release the requests whose grammar is ready; fail those whose grammar could not compile."""
+        if self._structured is None:
+            return []
+        ready, failed = self._structured.take_ready()
+        for request_id in ready:
+            self._scheduler.release(request_id)
+        outputs: list[EngineCoreOutput] = []
+        for failure in failed:
+            outputs += self._scheduler.fail_requests([failure.request_id], failure.message)
+        return outputs
+
+    def _apply_grammars(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Advance the matchers on this step's tokens: a request whose grammar is complete ends now
+        ("stop"), one whose token broke its grammar fails."""
+        if self._structured is None:
+            return outputs
+        complete, failed = self._structured.advance(outputs)
+        if not complete and not failed:
+            return outputs
+        messages = {f.request_id: f.message for f in failed}
+        for request_id in complete:
+            self._scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        for request_id in messages:
+            self._scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        stop, error = RequestStatus.FINISHED_STOPPED.finish_reason, RequestStatus.FINISHED_ERROR.finish_reason
+        return [
+            dataclasses.replace(out, finish_reason=stop)
+            if out.request_id in complete
+            else dataclasses.replace(out, finish_reason=error, error=messages[out.request_id])
+            if out.request_id in messages
+            else out
+            for out in outputs
+        ]
+
+    def _forget_finished_grammars(self) -> None:
+        if self._structured is not None:
+            live = set(self._scheduler.request_ids())
+            self._structured.drop([r for r in self._structured.request_ids() if r not in live])
 
     def call_utility(self, method: str, args: tuple[Any, ...] = ()) -> Any:
         if method not in self.UTILITIES:
@@ -190,6 +263,7 @@ class EngineCore:
             "runner_requests": runner_requests,
             "runner_encoder_entries_not_cached": not_cached,
             "runner_encoder_entries_referenced": referenced,
+            "grammar_matchers": self._structured.num_live() if self._structured is not None else 0,
         }
 
     def stats(self) -> SchedulerStats:
@@ -201,6 +275,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the workers (tensor-parallel ranks); the core is unusable after."""
+        if self._structured is not None:
+            self._structured.close()
         self.executor.close()
 
     def _num_kv_blocks(self) -> int:

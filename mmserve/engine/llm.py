@@ -90,6 +90,7 @@ class LLM:
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """One finished output per prompt, in order; n outputs for a prompt whose params ask `n > 1`."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -97,10 +98,12 @@ class LLM:
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         # Validate every prompt before queueing any, so a bad one leaves no request behind.
-        requests = [
+        processed = [
             self.processor.process(p, sp, str(next(self._request_counter)))
             for p, sp in zip(prompts, params, strict=True)
         ]
+        # n > 1: the prompt's n sequences, consecutive in the result (each output's `index` says which).
+        requests = [(r, text) for request, text in processed for r in request.forks()]
         return self._run(requests, use_tqdm)
 
     def chat(
@@ -136,7 +139,8 @@ class LLM:
             for request, text in requests:
                 self.engine.add_request(request)
                 added.append(request.request_id)
-                outputs.add_request(request, text)
+                index = order[request.request_id] - order.get(request.prefill_from or "", order[request.request_id])
+                outputs.add_request(request, text, index=index)
             results: list[RequestOutput | None] = [None] * len(requests)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as bar:
                 idle_steps = 0
@@ -145,7 +149,8 @@ class LLM:
                     if step.step is not None:
                         self.step_records.append(step.step)
                     # Two steps in a row with nothing running means nothing ever will: fail, don't hang.
-                    idle_steps = 0 if step.outputs or step.stats.num_running else idle_steps + 1
+                    busy = step.outputs or step.stats.num_running or self.engine.has_pending_grammars()
+                    idle_steps = 0 if busy else idle_steps + 1
                     if idle_steps > 1:
                         raise EngineDeadError("the scheduler admits nothing while no request runs")
                     failed = next((o for o in step.outputs if o.error is not None), None)

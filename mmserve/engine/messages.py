@@ -28,6 +28,7 @@ class StepRecord:
     forward_duration_s: float = 0.0  # of duration_s: decoder forward + logits (batch building included)
     sampling_duration_s: float = 0.0  # of duration_s: sampling and the host copy of its results
     comm_bytes: int = 0  # bytes the first tensor-parallel rank put into collectives (0 with one rank)
+    grammar_duration_s: float = 0.0  # of duration_s: filling token bitmasks and advancing grammar matchers
 
 
 @dataclass(frozen=True)

@@ -85,10 +85,14 @@ class OutputProcessor:
         self.class_slo = class_slo
         self._states: dict[str, _RequestState] = {}
 
-    def add_request(self, request: Request, prompt: str | None, processed_time: float | None = None) -> None:
-        """`processed_time` (time.monotonic()): when the request was ready for the core, if measured."""
+    def add_request(
+        self, request: Request, prompt: str | None, processed_time: float | None = None, index: int = 0
+    ) -> None:
+        """`processed_time` (time.monotonic()): when the request was ready for the core, if measured.
+        `index`: which of its prompt's n sequences the request is."""
         defaults = self.class_slo(request.service_class) if self.class_slo is not None else SLO()
         state = _RequestState(request, prompt, self.tokenizer, defaults)
+        state.output.index = index
         if processed_time is not None:
             state.output.metrics.preprocess_time = processed_time - request.arrival_time
         self._states[request.request_id] = state

@@ -5,11 +5,13 @@ Text and templates end here; the engine core only ever sees token ids.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from mmserve.engine import structured_output
 from mmserve.engine.mm_processor import MultiModalProcessor
 from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.request import Request, SamplingParams
@@ -39,6 +41,9 @@ class Processor:
     ) -> tuple[Request, str | None]:
         """Returns the request and the prompt text (None when the prompt came as token ids).
         `arrival_time` (time.monotonic()): when the request was received; default now."""
+        structured_output.check(params.structured_outputs)  # a 400 naming what cannot compile
+        params = self._with_bad_word_ids(params)
+        self._check_token_ids(params)
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise InvalidRequestError("prompt: must contain at least one token", param="prompt")
@@ -74,6 +79,36 @@ class Processor:
             request.mrope_positions = expanded.mrope_positions
             request.mrope_delta = expanded.mrope_delta
         return request, text
+
+    def _with_bad_word_ids(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` -> token sequences: each word alone and with a leading space, when that spelling
+        tokenizes to as many tokens and starts differently (vLLM's rule). Idempotent."""
+        if not params.bad_words:
+            return params
+        sequences = list(params.bad_words_token_ids)
+        for word in params.bad_words:
+            plain = self._encode(word.lstrip())
+            spaced = self._encode(" " + word.lstrip())
+            for ids in (plain, spaced):
+                if ids is spaced and (len(spaced) != len(plain) or spaced[:1] == plain[:1]):
+                    continue
+                if ids and tuple(ids) not in sequences:
+                    sequences.append(tuple(ids))
+        return dataclasses.replace(params, bad_words_token_ids=tuple(sequences))
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids a request names (logit_bias, bad words, stop ids) must be in the vocabulary."""
+        named = (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("bad_words_token_ids", [t for seq in params.bad_words_token_ids for t in seq]),
+            ("stop_token_ids", list(params.stop_token_ids)),
+        )
+        for param, ids in named:
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"{param}: token ids {outside[:5]} are outside [0, {self.vocab_size})", param=param
+                )
 
     def chat_prompt(
         self,
