@@ -346,7 +346,7 @@ def test_sigkill_of_the_api_process_takes_the_core_and_the_decode_workers_with_i
     children = psutil.Process(proc.pid).children(recursive=True)
     names = " ".join(" ".join(c.cmdline()) for c in children)
     assert "multiprocessing" in names and len(children) >= 2, names  # the engine core and a decode worker
-    body = {"model": "x", "messages": HELLO_MSG, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    body = {"messages": HELLO_MSG, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
     started = threading.Event()
 
     def stream() -> None:

@@ -370,7 +370,7 @@ def test_the_server_drains_and_stops_its_ranks_and_exits_1_when_a_rank_dies(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
     model_dir = tiny_model_dir("qwen2")
-    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     proc, url = _start_server(model_dir, tmp_path)
     try:
         (rank,) = _server_ranks(proc)

@@ -76,6 +76,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     tput.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
     tput.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run mmserve-structured: every request constrained by a grammar (its per-step cost)",
+    )
+    tput.add_argument(
         "--quick",
         action="store_true",
         help="16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32): a smoke run",
@@ -201,9 +206,12 @@ def _bench_throughput(args: argparse.Namespace) -> int:
             num_prompts, num_videos, num_frames, video_size = 8, min(num_videos, 2), 16, 112
             output_len, budget, encoder_budget = (2, 8), 64, 32  # outputs then cover the videos, no more
     try:
+        systems = args.systems.split(",")
+        if args.structured and "mmserve-structured" not in systems:
+            systems.append("mmserve-structured")
         report = bench_throughput(
             model,
-            args.systems.split(","),
+            systems,
             num_prompts,
             input_len,
             output_len,

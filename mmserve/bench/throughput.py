@@ -64,11 +64,12 @@ def step_time_split(steps: Sequence[StepRecord], elapsed: float) -> dict:
     forward = sum(s.forward_duration_s for s in steps)
     encoder = sum(s.encoder_duration_s for s in steps)
     sampling = sum(s.sampling_duration_s for s in steps)
+    grammar = sum(s.grammar_duration_s for s in steps)
     in_steps = sum(s.duration_s for s in steps)
-    parts = {"forward": forward, "encoder": encoder, "sampling": sampling}
-    parts["host_overhead"] = max(0.0, elapsed - forward - encoder - sampling)
+    parts = {"forward": forward, "encoder": encoder, "sampling": sampling, "grammar": grammar}
+    parts["host_overhead"] = max(0.0, elapsed - forward - encoder - sampling - grammar)
     split = {k: v / elapsed for k, v in parts.items()}
-    split["scheduler_and_update"] = max(0.0, in_steps - forward - encoder - sampling) / elapsed
+    split["scheduler_and_update"] = max(0.0, in_steps - forward - encoder - sampling - grammar) / elapsed
     split["outside_steps"] = max(0.0, elapsed - in_steps) / elapsed
     return split
 
@@ -94,7 +95,12 @@ MMSERVE_SYSTEMS = {
     "mmserve": ("fcfs", True),
     "mmserve-no-chunk": ("no_chunk", False),
     "mmserve-static": ("static", True),
+    "mmserve-structured": ("fcfs", True),  # mmserve with every request constrained by STRUCTURED_REGEX
 }
+# JSON-like records, repeated: the grammar accepts after every record, so with ignore_eos (EOS is not
+# offered while the grammar allows more) each request still runs to its fixed output length, as the
+# unconstrained systems do; the outputs differ from theirs, the token counts do not.
+STRUCTURED_REGEX = r'(\{"id": [0-9]{1,4}, "name": "[a-z ]{0,12}", "ok": (true|false)\}, )+'
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,13 @@ def run_mmserve(
     llm = _make_llm(
         model_dir, system, workload, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens, encoder_token_cost
     )
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    from mmserve.request import StructuredOutputs
+
+    spec = StructuredOutputs(regex=STRUCTURED_REGEX) if system == "mmserve-structured" else None
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, structured_outputs=spec)
+        for n in workload.output_lens
+    ]
     _warm_up(llm, workload)
     arrivals = None
     llm.step_records.clear()
@@ -438,11 +450,26 @@ def bench_throughput(
             for k, v in runs.items()
         },
         **_chunking_cost(results),
+        **_structured_cost(results),
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _structured_cost(results: dict[str, SystemResult]) -> dict:
+    """mmserve-structured against mmserve when both ran: the share of its run spent filling bitmasks and
+    advancing matchers, and its wall time over the unconstrained run's (same requests, same lengths)."""
+    plain, structured = results.get("mmserve"), results.get("mmserve-structured")
+    if plain is None or structured is None or structured.step_time_split is None:
+        return {}
+    return {
+        "structured_overhead": {
+            "grammar_share_of_run": structured.step_time_split["grammar"],
+            "elapsed_over_unconstrained": structured.elapsed_s / plain.elapsed_s,
+        }
+    }
 
 
 def _chunking_cost(results: dict[str, SystemResult]) -> dict:
