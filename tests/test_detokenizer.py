@@ -224,3 +224,14 @@ def test_stop_strings_on_random_streams(tokenizer: PreTrainedTokenizerFast, incl
         else:
             assert (det.output_text, det.stop_reason) == (full, None)
         assert "".join(deltas) == det.output_text
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    """vLLM's rule: before min_tokens output tokens exist, a stop string does not end the output."""
+    ids = tokenizer.encode("STOP abc STOP more")
+    first_stop_end = len(tokenizer.encode("STOP"))
+    det = IncrementalDetokenizer(tokenizer, [], stop=["STOP"], min_tokens=first_stop_end + 1)
+    text = "".join(det.update([i]) for i in ids)
+    assert text == "STOP abc " and det.stop_reason == "STOP"  # the first one is text, the second stops
+    plain = IncrementalDetokenizer(tokenizer, [], stop=["STOP"])
+    assert "".join(plain.update([i]) for i in ids) == "" and plain.stop_reason == "STOP"

@@ -73,11 +73,15 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
+        """`min_tokens`: stop strings end the output only once this many tokens exist (vLLM's rule)."""
         self._decode = _window_decoder(tokenizer, skip_special_tokens)
         self._skipped = _skipped_ids(tokenizer) if skip_special_tokens else frozenset()
         self._stop = tuple(s for s in stop if s)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens seen so far (special ones included)
         self.output_text = ""
         self.stop_reason = None
 
@@ -100,6 +104,7 @@ class IncrementalDetokenizer:
         """Adds output tokens; returns the text they finalized (often "", never a partial character)."""
         if self._finished:
             return ""
+        self._num_tokens += len(new_token_ids)
         decoded = "".join(self._push(token_id) for token_id in new_token_ids)
         return self._emit(decoded, final=False)
 
@@ -133,7 +138,7 @@ class IncrementalDetokenizer:
     def _emit(self, decoded: str, *, final: bool) -> str:
         """Runs stop-string matching over held + decoded text; returns the text now safe to emit."""
         text = self._held + decoded
-        match = self._find_stop(text)
+        match = self._find_stop(text) if self._num_tokens >= self._min_tokens else None
         if match is not None:
             start, stop = match
             delta = text[: start + len(stop)] if self._include_stop else text[:start]

@@ -63,7 +63,9 @@ class _RequestState:
     ) -> None:
         params = request.sampling_params
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=params.stop)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_token_ids, stop=params.stop, min_tokens=params.min_tokens
+        )
         self.output = RequestOutput(
             request_id=request.request_id,
             prompt=prompt,
