@@ -39,14 +39,35 @@ SPECIAL_TOKENS = (
 PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-# Qwen2-VL's template semantics, written from scratch: default system prompt, text/image/video parts.
+# Qwen2-VL's template semantics, written from scratch: default system prompt, text/image/video parts; with `tools`,
+# Qwen2.5's hermes tool calling (tools in the system turn, <tool_call> JSON in assistant turns, tool results as
+# <tool_response> in a user turn). Without tools, tool_calls or tool messages it renders as it always did.
 CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
 {%- set video_count = namespace(value=0) %}
+{%- macro tools_block() %}
+    {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' }}{{- tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        '<args-json-object>}\n</tool_call>' }}
+{%- endmacro %}
 {%- for message in messages %}
     {%- if loop.first and message['role'] != 'system' %}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+        {{- '<|im_start|>system\nYou are a helpful assistant.' }}
+        {%- if tools %}{{- tools_block() }}{%- endif %}
+        {{- '<|im_end|>\n' }}
     {%- endif %}
-    {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- if message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message['role'] + '\n' }}
+    {%- endif %}
     {%- if message['content'] is string %}
         {{- message['content'] }}
     {%- elif message['content'] is not none %}
@@ -65,7 +86,34 @@ CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
             {%- endif %}
         {%- endfor %}
     {%- endif %}
-    {{- '<|im_end|>\n' }}
+    {%- if message['role'] == 'tool' %}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {%- if loop.first and message['role'] == 'system' and tools %}
+            {{- tools_block() }}
+        {%- endif %}
+        {%- if message['role'] == 'assistant' and message.get('tool_calls') %}
+            {%- for tool_call in message['tool_calls'] %}
+                {%- if tool_call.get('function') is not none %}
+                    {%- set tool_call = tool_call['function'] %}
+                {%- endif %}
+                {%- if not loop.first or message['content'] %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": ' + (tool_call['name'] | tojson) + ', "arguments": ' }}
+                {%- if tool_call['arguments'] is string %}
+                    {{- tool_call['arguments'] }}
+                {%- else %}
+                    {{- tool_call['arguments'] | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
