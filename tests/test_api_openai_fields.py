@@ -7,8 +7,6 @@ and what cannot be served is a 400 / 404 naming the field."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import inspect
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,23 +21,7 @@ from mmserve.api import ServerSettings, convert, create_app
 from mmserve.api.protocol import ChatCompletionRequest
 from mmserve.api.server import ServerThread
 from mmserve.config import EngineArgs
-from mmserve.engine import processor as processor_module
-from mmserve.engine import sampler as sampler_module
 from mmserve.engine.async_engine import AsyncEngine
-
-# The engine side of issue 20 lands beside this API side; each test that needs a part of it runs once it is
-# there (these markers can go once it has landed).
-needs_logits_processors = pytest.mark.skipif(
-    "logit_bias" not in inspect.getsource(sampler_module), reason="the sampler does not apply logit_bias yet"
-)
-needs_n = pytest.mark.skipif(
-    "forks()" not in inspect.getsource(AsyncEngine.generate), reason="AsyncEngine does not fork n > 1 yet"
-)
-needs_structured = pytest.mark.skipif(
-    importlib.util.find_spec("mmserve.engine.structured_output") is None
-    or "structured_output" not in inspect.getsource(processor_module),
-    reason="structured decoding has not landed yet",
-)
 
 KEY = "sk-fields"
 HELLO = [{"role": "user", "content": "Describe a red circle on a white background."}]
@@ -102,7 +84,6 @@ def completion_ids(oai: openai.OpenAI, **kwargs: Any) -> tuple[list[str], str | 
 # --------------------------------------------------------------------------------- sampling fields
 
 
-@needs_logits_processors
 def test_logit_bias_stop_token_ids_and_min_tokens_reach_the_engine(
     oai: openai.OpenAI, word: tuple[int, str]
 ) -> None:
@@ -120,11 +101,6 @@ def test_logit_bias_stop_token_ids_and_min_tokens_reach_the_engine(
     assert len(tokens) == 4 and tokens[-1] == text and text not in tokens[:3] and reason == "stop"
 
 
-@needs_logits_processors
-@pytest.mark.skipif(
-    "bad_words" not in inspect.getsource(processor_module),
-    reason="the Processor does not tokenize bad_words yet",
-)
 def test_bad_words_and_penalties_change_the_output(oai: openai.OpenAI, word: tuple[int, str]) -> None:
     token_id, text = word
     tokens, _ = completion_ids(oai, max_tokens=4, logit_bias={str(token_id): 5},
@@ -139,7 +115,6 @@ def test_bad_words_and_penalties_change_the_output(oai: openai.OpenAI, word: tup
             assert penalized != base, extra
 
 
-@needs_n
 def test_n_choices_json_and_stream_prefill_once(oai: openai.OpenAI, engine: AsyncEngine) -> None:
     # A prompt no earlier test sent (several blocks long), so only this request can have cached it.
     long = [{"role": "user", "content": "count the sides of every polygon you know " * 10}]
@@ -193,12 +168,12 @@ def test_cached_tokens_on_a_repeated_long_prompt(oai: openai.OpenAI) -> None:
 
 
 class Point(pydantic.BaseModel):
-    x: int
-    y: int
-    label: str
+    # Bounded, so random weights under the grammar finish within max_tokens.
+    x: int = pydantic.Field(ge=0, le=999)
+    y: int = pydantic.Field(ge=0, le=999)
+    label: str = pydantic.Field(max_length=8)
 
 
-@needs_structured
 def test_response_format_json_schema_parses_into_the_model(oai: openai.OpenAI) -> None:
     done = oai.chat.completions.parse(model="tiny", messages=HELLO, response_format=Point, max_tokens=80)
     assert done.choices[0].finish_reason == "stop", done.choices[0].message.content
@@ -213,10 +188,9 @@ def test_response_format_json_schema_parses_into_the_model(oai: openai.OpenAI) -
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]  # fmt: skip
 
 
-@needs_structured
 def test_named_tool_choice_is_a_tool_call_json_and_stream(oai: openai.OpenAI) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
     done = oai.chat.completions.create(model="tiny", messages=HELLO, tools=TOOLS, tool_choice=choice,
@@ -249,7 +223,7 @@ def test_tool_call_history_reaches_the_template(http: httpx.Client) -> None:
     ]  # fmt: skip
     response = http.post("/v1/chat/completions", json=greedy(messages=messages, tools=TOOLS, max_tokens=2))
     assert response.status_code == 200, response.text
-    tokens = http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+    tokens = http.post("/tokenize", json={"model": "tiny", "messages": messages, "tools": TOOLS}).json()
     assert tokens["count"] == response.json()["usage"]["prompt_tokens"]
 
 
@@ -281,7 +255,6 @@ def test_chat_template_options(http: httpx.Client, engine: AsyncEngine) -> None:
 # ------------------------------------------------------------------------------------------ endpoints
 
 
-@needs_n
 def test_completions_n_per_prompt(oai: openai.OpenAI) -> None:
     done = oai.completions.create(model="tiny", prompt=["Hello there", "A red circle"], n=2, max_tokens=3,
                                   temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
@@ -368,10 +341,9 @@ def test_refusals_name_the_field(oai: openai.OpenAI, http: httpx.Client) -> None
     refused(lambda: chat(model="tiny", messages=HELLO, n=1000), openai.BadRequestError, "n")
     refused(lambda: chat(model="tiny", messages=HELLO, logit_bias={"5": 500}), openai.BadRequestError,
             "logit_bias")  # fmt: skip
-    if not needs_structured.args[0]:  # the grammar library refuses the schema once structured decoding is in
-        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
-        refused(lambda: chat(model="tiny", messages=HELLO, response_format=bad_schema, max_tokens=2),
-                openai.BadRequestError, "structured_outputs.json")  # fmt: skip
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    refused(lambda: chat(model="tiny", messages=HELLO, response_format=bad_schema, max_tokens=2),
+            openai.BadRequestError, "structured_outputs.json")  # fmt: skip
     refused(lambda: chat(model="tiny", messages=HELLO, response_format={"type": "json_object"},
                          extra_body={"guided_regex": "a+"}), openai.BadRequestError, "guided_regex")  # fmt: skip
     cmpl = oai.completions.create
