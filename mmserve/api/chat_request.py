@@ -104,7 +104,9 @@ async def prepare_chat(state: ServerState, body: ChatFields) -> PreparedChat:
         parallel = body.parallel_tool_calls if body.parallel_tool_calls is not None else True
         from mmserve.api.tool_parsers import tool_choice_constraint
 
-        constraint = tool_choice_constraint(tools, choice, parser_name, parallel)
+        # The tokenizer's added tokens: Qwen's <tool_call> is one special token the grammar must name.
+        added = tuple(engine.tokenizer.get_added_vocab())
+        constraint = tool_choice_constraint(tools, choice, parser_name, parallel, added_tokens=added)
         if convert.structured_outputs(body) is not None:
             raise InvalidRequestError(
                 "tool_choice: a required or named tool choice cannot be combined with another output "
