@@ -6,6 +6,7 @@ Qwen2-VL checkpoint. Writes docs/screenshot.png when missing or MMSERVE_WRITE_SC
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import re
 import shutil
@@ -239,7 +240,50 @@ def test_oversized_upload_shows_server_error(page: Any, server: ServerThread, tm
     assert expected.status_code == 413
     page.set_input_files("#file-input", str(big))
     error = page.locator("#pending .att[data-state=error] .error")
-    sync_api.expect(error).to_have_text(expected.json()["error"]["message"])
+    sync_api.expect(error).to_have_text("Not attached: " + expected.json()["error"]["message"])
+    sync_api.expect(page.locator("#pending .att .thumb")).to_have_count(0)  # the error, not a thumbnail
+
+
+def test_rejected_upload_shows_an_error_and_no_broken_thumbnail(
+    page: Any, server: ServerThread, tmp_path: Path
+) -> None:
+    # Named like an image but text: the browser cannot show it, the server refuses it.
+    fake = tmp_path / "notes.png"
+    fake.write_bytes(b"these are my notes, not a picture\n" * 20)
+    expected = httpx.post(
+        server.url + "/v1/files", files={"file": ("notes.png", fake.read_bytes(), "image/png")}
+    )
+    assert expected.status_code == 415  # unsupported_media_type: not an image or video by its content
+    page.set_input_files("#file-input", str(fake))
+    att = page.locator("#pending .att[data-state=error]")
+    sync_api.expect(att.locator(".error")).to_have_text(
+        "Not attached: " + expected.json()["error"]["message"]
+    )
+    sync_api.expect(att.locator(".error")).to_be_visible()
+    sync_api.expect(att.locator("img, canvas")).to_have_count(0)  # no broken-image icon
+    sync_api.expect(page.locator("#send")).to_be_enabled()  # a failed attachment does not block sending
+    reply = chat(page, "hi")
+    assert reply.get_attribute("data-status") in ("completed", "incomplete")
+    sync_api.expect(page.locator(".msg.user").last.locator(".thumb")).to_have_count(0)
+
+
+def test_square_image_thumbnail_is_not_cropped(page: Any, server: ServerThread) -> None:
+    # easy-vqa test image 2: a small blue triangle near the bottom edge of a 64x64 square. In the 120x90 tile,
+    # `object-fit: cover` scaled it to 120x120 and cut 15 px off the bottom, and the triangle's base with it.
+    page.set_input_files("#file-input", str(ASSETS / "easy-vqa-test-2.png"))
+    thumb = page.locator("#pending .att[data-state=ready] img.thumb")
+    sync_api.expect(thumb).to_be_visible()
+    assert thumb.evaluate("el => getComputedStyle(el).objectFit") == "contain"
+    assert thumb.evaluate("el => el.complete && el.naturalWidth") == 64
+    shot = np.asarray(Image.open(io.BytesIO(thumb.screenshot())).convert("RGB")).astype(int)
+    blue = (shot[..., 2] > 150) & (shot[..., 0] < 100) & (shot[..., 1] < 100)
+    rows = np.nonzero(blue.any(axis=1))[0]
+    assert len(rows), "the triangle is not in the thumbnail"
+    height = shot.shape[0]
+    # Contained, the square is height x height and the triangle (rows 52-60 of 64) ends above the bottom edge.
+    assert rows.max() < height - 2, (rows.min(), rows.max(), height)
+    expected_rows = (60 - 52 + 1) * height / 64
+    assert abs(len(rows) - expected_rows) <= 3, (len(rows), expected_rows)
 
 
 def test_reconnects_after_server_restart(page: Any, server: ServerThread) -> None:

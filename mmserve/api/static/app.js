@@ -210,11 +210,14 @@ function addFiles(files) {
         bar.remove();
       })
       .catch((err) => {
+        // Refused (not an image or video, too big...) or not sent: say why, in place of the thumbnail.
         att.state = "error";
         bar.remove();
+        thumb.remove();
         const msg = document.createElement("span");
         msg.className = "error";
-        msg.textContent = err.message;
+        msg.setAttribute("role", "alert");
+        msg.textContent = `Not attached: ${err.message}`;
         el.append(msg);
       })
       .finally(() => { el.dataset.state = att.state; updateSend(); });

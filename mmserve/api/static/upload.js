@@ -27,6 +27,7 @@ export function thumbnail(file) {
     const img = document.createElement("img");
     img.className = "thumb";
     img.alt = file.name || "image";
+    img.onerror = () => { img.hidden = true; };  // not an image this browser can show: no broken-image icon
     img.src = url;
     return img;
   }
