@@ -321,7 +321,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         api_key=args.api_key or None,
         data_dir=args.data_dir,
-        served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
+        # As vLLM: without --served-model-name the model is served under --model as given ("demo").
+        served_model_name=tuple(args.served_model_name) if args.served_model_name else (str(args.model),),
         chat_template=_read_chat_template(args.chat_template),
         tool_call_parser=args.tool_call_parser,
         generation_config=args.generation_config,
