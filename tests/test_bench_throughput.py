@@ -12,7 +12,7 @@ import pytest
 
 from mmserve.cli import main
 
-SPLIT_KEYS = {"forward", "encoder", "sampling", "host_overhead"}
+SPLIT_KEYS = {"forward", "encoder", "sampling", "grammar", "host_overhead"}
 
 
 def run_quick(model: Path, out: Path, workload: str, systems: list[str], *extra: str) -> dict:
@@ -20,6 +20,15 @@ def run_quick(model: Path, out: Path, workload: str, systems: list[str], *extra:
     argv += ["--systems", ",".join(systems), "--hf-batch-size", "8", "--json", str(out), *extra]
     assert main(argv) == 0
     return json.loads(out.read_text())
+
+
+def test_bench_throughput_structured_runs_side_by_side(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """--structured adds mmserve-structured: every request under a grammar, the same output lengths."""
+    report = run_quick(tiny_model_dir("qwen2"), tmp_path / "s.json", "random", ["mmserve"], "--structured")
+    assert list(report["systems"]) == ["mmserve", "mmserve-structured"]
+    overhead = report["structured_overhead"]
+    assert 0 < overhead["grammar_share_of_run"] < 1 and overhead["elapsed_over_unconstrained"] > 0
+    assert report["systems"]["mmserve"]["step_time_split"]["grammar"] < overhead["grammar_share_of_run"]
 
 
 @pytest.mark.parametrize(

@@ -88,5 +88,7 @@ def test_bench_throughput_quick_run(tiny_model_dir: Callable[[str], Path], tmp_p
         assert result["output_tokens_per_s"] > 0 and result["efficiency"] > 0
     # Every mmserve policy computes the same greedy tokens as the first system (plain mmserve).
     assert all(
-        report["outputs_differing_from_first_system"][s] == 0 for s in SYSTEMS if s.startswith("mmserve")
+        report["outputs_differing_from_first_system"][s] == 0
+        for s in SYSTEMS
+        if s.startswith("mmserve") and s != "mmserve-structured"  # constrained: other tokens by design
     )
