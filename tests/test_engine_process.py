@@ -407,7 +407,7 @@ def test_two_api_servers_share_the_port_and_the_core_and_metrics_sum_over_both(
         children = psutil.Process(proc.pid).children()
         spawned = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
         assert len(spawned) == 3  # the engine core and two API servers
-        body = {"model": "x", "messages": HELLO_MSG, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        body = {"messages": HELLO_MSG, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
         def one(_: int) -> str:
             with httpx.Client(base_url=url, timeout=60) as http:
