@@ -149,3 +149,36 @@ def test_validation(fields: dict, param: str) -> None:
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**fields)
     assert err.value.param == param
+
+
+def test_min_tokens_with_eos_biased(setup) -> None:
+    from transformers import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    llm, model, prompts = setup
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    for p in prompts:
+        params = SamplingParams(max_tokens=N, temperature=0.0, min_tokens=5, logit_bias={eos: 100.0})
+        out = llm.generate([p], params)[0]
+        with torch.inference_mode():
+            ref = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=N,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList(
+                    [
+                        SequenceBiasLogitsProcessor({(eos,): 100.0}),
+                        MinNewTokensLengthLogitsProcessor(len(p), 5, eos),
+                    ]
+                ),
+            )[0, len(p) :].tolist()
+        assert ref[-1] == eos and len(ref) == 6
+        assert [t for t in out.token_ids if t != eos] == ref[:-1]
+        assert out.finish_reason == "stop"
