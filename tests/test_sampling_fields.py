@@ -40,7 +40,8 @@ class OpenAIPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
 
 
-def hf(model, prompt: list[int], processors: list) -> list[int]:
+def hf(model, prompt: list[int], processors: list, eos_token_id: int | None = None) -> list[int]:
+    """transformers' greedy continuation; with `eos_token_id` None it runs the full N tokens."""
     from transformers import LogitsProcessorList
 
     with torch.inference_mode():
@@ -49,7 +50,7 @@ def hf(model, prompt: list[int], processors: list) -> list[int]:
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=N,
             do_sample=False,
-            eos_token_id=None,
+            eos_token_id=eos_token_id,
             pad_token_id=0,
             logits_processor=LogitsProcessorList(processors),
         )
@@ -152,11 +153,7 @@ def test_validation(fields: dict, param: str) -> None:
 
 
 def test_min_tokens_with_eos_biased(setup) -> None:
-    from transformers import (
-        LogitsProcessorList,
-        MinNewTokensLengthLogitsProcessor,
-        SequenceBiasLogitsProcessor,
-    )
+    from transformers import MinNewTokensLengthLogitsProcessor, SequenceBiasLogitsProcessor
 
     llm, model, prompts = setup
     eos = model.generation_config.eos_token_id
@@ -164,21 +161,8 @@ def test_min_tokens_with_eos_biased(setup) -> None:
     for p in prompts:
         params = SamplingParams(max_tokens=N, temperature=0.0, min_tokens=5, logit_bias={eos: 100.0})
         out = llm.generate([p], params)[0]
-        with torch.inference_mode():
-            ref = model.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=N,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=0,
-                logits_processor=LogitsProcessorList(
-                    [
-                        SequenceBiasLogitsProcessor({(eos,): 100.0}),
-                        MinNewTokensLengthLogitsProcessor(len(p), 5, eos),
-                    ]
-                ),
-            )[0, len(p) :].tolist()
+        processors = [SequenceBiasLogitsProcessor({(eos,): 100.0}), MinNewTokensLengthLogitsProcessor(len(p), 5, eos)]
+        ref = hf(model, p, processors, eos_token_id=eos)
         assert ref[-1] == eos and len(ref) == 6
         assert [t for t in out.token_ids if t != eos] == ref[:-1]
         assert out.finish_reason == "stop"

@@ -89,11 +89,10 @@ class Processor:
         for word in params.bad_words:
             plain = self._encode(word.lstrip())
             spaced = self._encode(" " + word.lstrip())
-            for ids in (plain, spaced):
-                if ids is spaced and (len(spaced) != len(plain) or spaced[:1] == plain[:1]):
-                    continue
-                if ids and tuple(ids) not in sequences:
-                    sequences.append(tuple(ids))
+            spellings = [plain]
+            if len(spaced) == len(plain) and spaced[:1] != plain[:1]:
+                spellings.append(spaced)
+            sequences += [tuple(ids) for ids in spellings if ids and tuple(ids) not in sequences]
         return dataclasses.replace(params, bad_words_token_ids=tuple(sequences))
 
     def _check_token_ids(self, params: SamplingParams) -> None:

@@ -79,10 +79,9 @@ def _entries(
     device: torch.device,
 ) -> TokenEntries | None:
     """`token_ids[i]` (with `values[i]`, one per row) acts on row `rows[i]`. None when nothing does."""
-    lengths = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)  # [len(rows)]
-    total = int(lengths.sum()) if rows else 0
-    if total == 0:
+    if not any(token_ids):  # the common step: no row uses the field, and no tensor is made
         return None
+    lengths = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)  # [len(rows)]
     flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)  # [N]
     row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), lengths)  # [N]
     operands = None

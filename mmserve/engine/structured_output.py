@@ -185,21 +185,19 @@ class StructuredOutputManager:
     def advance(self, outputs: Sequence[EngineCoreOutput]) -> tuple[list[str], list[GrammarFailure]]:
         """Feed each constrained request its new tokens. Returns (requests whose grammar is complete
         and allows nothing more: to finish as stopped, failures: a token the grammar refuses)."""
-        complete, failed = [], []
+        complete: list[str] = []
+        failed: list[GrammarFailure] = []
         for out in outputs:
             matcher = self._matchers.get(out.request_id)
             if matcher is None:
                 continue
             if out.new_token_ids and not matcher.consume_tokens(list(out.new_token_ids)):
                 failed.append(GrammarFailure(out.request_id, f"a sampled token broke the grammar: {matcher.get_error()}"))
-            elif out.finished:
-                pass
-            elif matcher.is_stopped():
+            elif not out.finished and matcher.is_stopped():
                 complete.append(out.request_id)
-            ended = complete and complete[-1] == out.request_id
-            if out.finished or ended or (failed and failed[-1].request_id == out.request_id):
-                del self._matchers[out.request_id]
-                self._ignore_eos.discard(out.request_id)
+            elif not out.finished:
+                continue  # goes on under its grammar
+            self.drop([out.request_id])  # finished, complete or failed: its matcher is done
         return complete, failed
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from mmserve.config import CacheConfig, SchedulerConfig
@@ -146,14 +146,16 @@ class Scheduler:
     def release(self, request_id: str) -> None:
         self._held.discard(request_id)
 
-    def admissible_waiting(self) -> list[Request]:
+    def admissible_waiting(self) -> Iterator[Request]:
         """The waiting requests that may be admitted now, in policy order: not held, and not a fork
-        whose parent is still computing the prompt they share."""
-        return [r for r in self.waiting if r.request_id not in self._held and not self._awaits_fork(r)]
+        whose parent is still computing the prompt they share. Lazy, over a snapshot of the queue
+        (admitting removes from it), so a caller that stops early looks at no more than it needs."""
+        for request in tuple(self.waiting):
+            if request.request_id not in self._held and not self._awaits_fork(request):
+                yield request
 
     def _awaits_fork(self, request: Request) -> bool:
-        parent_id = request.prefill_from
-        return parent_id is not None and any(c is request for c in self._forks.get(parent_id, ()))
+        return request.prefill_from is not None and request in self._forks.get(request.prefill_from, ())
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """End a request from outside (abort, stop string). False if it is unknown or already done."""

@@ -216,7 +216,7 @@ class SloPlanner:
             for r in sched.running
             if not r.is_decoding and r.request_id not in step.grants
         ]
-        work = sorted(((self.prefill_key(r), r) for r in prefills + sched.admissible_waiting()), key=lambda e: e[0])
+        work = sorted(((self.prefill_key(r), r) for r in [*prefills, *sched.admissible_waiting()]), key=lambda e: e[0])
         urgent = [r for key, r in work if key[0] != Tier.BATCH]
         batch = [r for key, r in work if key[0] == Tier.BATCH]
         optional_decodes = [r for r in batch_decodes if self._skips.get(r.request_id, 0) < max_skips]
