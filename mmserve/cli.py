@@ -33,7 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint for tests and benchmarks")
     tiny.add_argument("out_dir", type=Path)
-    tiny.add_argument("--arch", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen2"])
+    tiny.add_argument(
+        "--arch", default="qwen2_vl",
+        choices=["qwen2_vl", "qwen2_5_vl", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"],
+    )  # fmt: skip
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
     tiny.add_argument("--seed", type=int, default=0)
 

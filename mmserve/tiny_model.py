@@ -1,4 +1,5 @@
-"""Writes small random-weight Qwen2-VL / Qwen2.5-VL / Qwen2 checkpoints in the Hugging Face hub layout.
+"""Writes small random-weight checkpoints in the Hugging Face hub layout: Qwen2-VL, Qwen2.5-VL, Qwen2, and the
+Qwen3 family (Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE).
 
 Owns the presets, a locally trained byte-level BPE tokenizer and the chat template; knows nothing of the engine.
 """
@@ -25,9 +26,19 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+QWEN3_ARCHS = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 PRESET_NAMES = ("tiny", "bench")
 # Qwen2-VL's added tokens, in Qwen's id order (they follow the BPE vocab, as 151643.. do in Qwen).
 SPECIAL_TOKENS = (
@@ -35,6 +46,8 @@ SPECIAL_TOKENS = (
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )  # fmt: skip
+# Qwen3's further added tokens (tool calls and thinking), after Qwen2-VL's as in Qwen's own id order.
+QWEN3_EXTRA_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 # Qwen2's pre-tokenizer split (same regex as transformers' Qwen2Tokenizer, which rebuilds from it on load).
 PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -120,6 +133,19 @@ CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
 {%- endif %}
 """
 
+# Qwen3's: no default system prompt (a system turn only for tools or when given); otherwise the same parts.
+QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    r"""    {%- if loop.first and message['role'] != 'system' %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.' }}
+        {%- if tools %}{{- tools_block() }}{%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}""",
+    r"""    {%- if loop.first and message['role'] != 'system' and tools %}
+        {{- '<|im_start|>system' }}{{- tools_block() }}{{- '<|im_end|>\n' }}
+    {%- endif %}""",
+)
+assert QWEN3_CHAT_TEMPLATE != CHAT_TEMPLATE
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -142,6 +168,12 @@ class Preset:
     # else greedy decoding of a random model mostly repeats the last token.
     init_std: float
     logit_std: float  # the final norm's gain is set so logits have about this std: top-1/top-2 gaps stay wide
+    # Qwen3-MoE / Qwen3-VL-MoE: experts per MoE layer, experts per token, each expert's width, and the layers
+    # that keep the dense MLP (`mlp_only_layers`, so a checkpoint mixes both layouts as the config allows).
+    num_experts: int = 8
+    experts_per_token: int = 2
+    moe_intermediate: int = 24  # 2 * 24 != hidden: a gate_up stored transposed cannot pass for the other layout
+    dense_layers: tuple[int, ...] = (1,)
 
 
 PRESETS = {
@@ -156,8 +188,12 @@ PRESETS = {
         bpe_vocab=8128, hidden=512, layers=8, heads=8, kv_heads=2, intermediate=2816, max_positions=8192,
         vision_depth=4, vision_dim=256, vision_heads=4, vision_intermediate=688, window_size=112,
         min_pixels=56 * 56, max_pixels=28 * 28 * 256, max_frames=64, init_std=0.05, logit_std=4.0,
+        num_experts=16, experts_per_token=4, moe_intermediate=192, dense_layers=(),
     ),
 }  # fmt: skip
+# Qwen3's patches are 16 px, so one merged token covers 32 x 32 px; the presets' pixel bounds (in 28 px tokens)
+# are carried over as token counts.
+QWEN3_PATCH = 16
 
 
 def english_like_corpus(n_lines: int) -> list[str]:
@@ -196,9 +232,11 @@ def english_like_corpus(n_lines: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(bpe_vocab: int, corpus: Iterable[str] | None = None) -> Tokenizer:
+def build_tokenizer(
+    bpe_vocab: int, corpus: Iterable[str] | None = None, extra_tokens: tuple[str, ...] = ()
+) -> Tokenizer:
     """Qwen2's byte-level BPE pipeline trained on `corpus` (default `english_like_corpus`); special tokens get ids
-    bpe_vocab.. in order."""
+    bpe_vocab.. in order, then `extra_tokens` (added but not special, as Qwen3's <tool_call> and <think>)."""
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -214,14 +252,16 @@ def build_tokenizer(bpe_vocab: int, corpus: Iterable[str] | None = None) -> Toke
     if tok.get_vocab_size() != bpe_vocab:  # the corpus must be rich enough to reach the target exactly
         raise RuntimeError(f"BPE trained {tok.get_vocab_size()} tokens, wanted {bpe_vocab}")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if extra_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     return tok
 
 
-def tokenizer_config(tok: Tokenizer) -> dict:
+def tokenizer_config(tok: Tokenizer, extra_tokens: tuple[str, ...] = ()) -> dict:
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
-        for t in SPECIAL_TOKENS
+                                  "single_word": False, "special": t in SPECIAL_TOKENS}
+        for t in SPECIAL_TOKENS + extra_tokens
     }  # fmt: skip
     return {
         "add_prefix_space": False, "added_tokens_decoder": added, "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
@@ -246,6 +286,8 @@ def build_config(
     if arch == "qwen2":
         rope = {"rope_type": "default", "rope_theta": 1e6}
         return Qwen2Config(**text, rope_parameters=rope, tie_word_embeddings=preset == "tiny")
+    if arch in QWEN3_ARCHS:
+        return _qwen3_config(arch, p, preset == "tiny", text, tok_ids)
     # M-RoPE splits head_dim/2 frequencies over (t, h, w) as Qwen's [16, 24, 24] does for head_dim 128.
     section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
@@ -267,10 +309,52 @@ def build_config(
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
+def _qwen3_config(arch: str, p: Preset, tiny: bool, text: dict, tok_ids: dict[str, int]) -> PreTrainedConfig:
+    """Qwen3's shapes as the hub's: head_dim set apart from hidden / heads (here twice it, so q is wider than the
+    residual stream), per-head q/k norms, no qkv bias; MoE layers with `mlp_only_layers` dense; VL models with
+    16 px patches, learned position embeddings, DeepStack levels and interleaved M-RoPE."""
+    head_dim = 2 * p.hidden // p.heads
+    text = {**text, "head_dim": head_dim, "attention_bias": False}
+    text.pop("max_window_layers")
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    moe = dict(
+        num_experts=p.num_experts, num_experts_per_tok=p.experts_per_token, moe_intermediate_size=p.moe_intermediate,
+        decoder_sparse_step=1, mlp_only_layers=list(p.dense_layers),
+    )  # fmt: skip
+    if arch == "qwen3":
+        return Qwen3Config(**text, rope_parameters=rope, tie_word_embeddings=tiny)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**text, **moe, norm_topk_prob=True, rope_parameters=rope, tie_word_embeddings=False)
+    # Interleaved M-RoPE: of head_dim/2 frequencies, h and w take every third from 1 and 2 (Qwen's [24, 20, 20]).
+    half = head_dim // 2
+    section = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+    text["rope_parameters"] = {**rope, "rope_type": "default", "mrope_section": section, "mrope_interleaved": True}
+    if arch == "qwen3_vl_moe":
+        text.update(moe)
+    # DeepStack: features after each of the first vision blocks feed the first decoder layers.
+    levels = list(range(min(p.vision_depth, p.layers, 3)))
+    vision = dict(
+        depth=p.vision_depth, hidden_size=p.vision_dim, intermediate_size=p.vision_intermediate,
+        num_heads=p.vision_heads, out_hidden_size=p.hidden, patch_size=QWEN3_PATCH, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3, num_position_embeddings=144, deepstack_visual_indexes=levels,
+        hidden_act="gelu_pytorch_tanh", initializer_range=p.init_std,
+    )  # fmt: skip
+    ids = {k: tok_ids[f"<|{k}|>"] for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    common = dict(
+        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"], tie_word_embeddings=tiny and arch == "qwen3_vl",
+    )  # fmt: skip
+    text["tie_word_embeddings"] = common["tie_word_embeddings"]  # the top-level value rules; keep them agreeing
+    cls = Qwen3VLConfig if arch == "qwen3_vl" else Qwen3VLMoeConfig
+    return cls(text_config=text, vision_config=vision, **common)
+
+
 def model_class(arch: str) -> type[PreTrainedModel]:
     """The transformers class whose `from_pretrained` loads `arch`'s checkpoints."""
     return {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-            "qwen2": Qwen2ForCausalLM}[arch]  # fmt: skip
+            "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
+            "qwen3_vl": Qwen3VLForConditionalGeneration,
+            "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}[arch]  # fmt: skip
 
 
 @torch.no_grad()
@@ -288,6 +372,8 @@ def _spread_weights(model: PreTrainedModel, p: Preset, never: list[int]) -> None
 
 
 def preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
+    if arch in QWEN3_ARCHS:
+        return _qwen3_preprocessor_configs(p)
     processor = "Qwen2VLProcessor" if arch == "qwen2_vl" else "Qwen2_5_VLProcessor"
     image = {
         "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
@@ -300,6 +386,27 @@ def preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
     video = {k: v for k, v in image.items() if k != "image_processor_type"}
     video.update(video_processor_type="Qwen2VLVideoProcessor", fps=2.0, min_frames=4, max_frames=p.max_frames,
                  do_sample_frames=False)  # fmt: skip
+    return image, video
+
+
+def _qwen3_preprocessor_configs(p: Preset) -> tuple[dict, dict]:
+    """As Qwen3-VL's hub files: 16 px patches, mean and std 0.5; the video `size` bounds the pixels of the whole
+    clip (frames x height x width), not of one frame. The preset's bounds, in merged tokens, carry over."""
+    token = (QWEN3_PATCH * 2) ** 2  # pixels per merged token
+    min_pixels, max_pixels = p.min_pixels // (28 * 28) * token, p.max_pixels // (28 * 28) * token
+    half = [0.5, 0.5, 0.5]
+    image = {
+        "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": half, "image_std": half, "rescale_factor": 1 / 255, "resample": 3,
+        "patch_size": QWEN3_PATCH, "temporal_patch_size": 2, "merge_size": 2,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+    }  # fmt: skip
+    video = {k: v for k, v in image.items() if k != "image_processor_type"}
+    video.update(
+        size={"shortest_edge": 2 * min_pixels, "longest_edge": 4 * max_pixels}, video_processor_type="Qwen3VLVideoProcessor",
+        fps=2.0, min_frames=4, max_frames=p.max_frames, do_sample_frames=True,
+    )  # fmt: skip
     return image, video
 
 
@@ -327,11 +434,13 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     p = dataclasses.replace(PRESETS[preset], **preset_fields)
 
-    tok = build_tokenizer(p.bpe_vocab)
+    extra = QWEN3_EXTRA_TOKENS if arch in QWEN3_ARCHS else ()
+    tok = build_tokenizer(p.bpe_vocab, extra_tokens=extra)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok.save(str(out / "tokenizer.json"))
-    write_json(out / "tokenizer_config.json", tokenizer_config(tok))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    write_json(out / "tokenizer_config.json", tokenizer_config(tok, extra))
+    template = QWEN3_CHAT_TEMPLATE if arch in QWEN3_ARCHS else CHAT_TEMPLATE
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
     vocab_size = -(-tok.get_vocab_size() // vocab_multiple) * vocab_multiple  # padded rows, as Qwen has
     config = build_config(arch, preset, ids, vocab_size, **preset_fields)
@@ -349,7 +458,7 @@ def make_tiny_model(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], do_sample=False,
     )  # fmt: skip
     gen.save_pretrained(out)
-    if arch != "qwen2":
+    if arch in VL_ARCHS:
         image, video = preprocessor_configs(arch, p)
         write_json(out / "preprocessor_config.json", image)
         write_json(out / "video_preprocessor_config.json", video)

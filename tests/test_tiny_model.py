@@ -13,9 +13,18 @@ import torch
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-from mmserve.tiny_model import ARCHS, PRESETS, SPECIAL_TOKENS, build_config, make_tiny_model, model_class
+from mmserve.tiny_model import (
+    ARCHS,
+    PRESETS,
+    QWEN3_ARCHS,
+    QWEN3_EXTRA_TOKENS,
+    SPECIAL_TOKENS,
+    VL_ARCHS,
+    build_config,
+    make_tiny_model,
+    model_class,
+)
 
-VL_ARCHS = [a for a in ARCHS if a != "qwen2"]
 MULTIBYTE = "café naïve Straße — 你好，世界！ 😀🚀 ❤️ 𝔘 déjà vu 12345"
 
 
@@ -40,7 +49,7 @@ def test_files_and_special_token_ids(ckpts: dict[str, Path], arch: str) -> None:
     d = ckpts[arch]
     expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja"}  # fmt: skip
-    if arch != "qwen2":
+    if arch in VL_ARCHS:
         expected |= {"preprocessor_config.json", "video_preprocessor_config.json"}
     assert {p.name for p in d.iterdir()} == expected
     tok = AutoTokenizer.from_pretrained(d)
@@ -48,20 +57,28 @@ def test_files_and_special_token_ids(ckpts: dict[str, Path], arch: str) -> None:
     assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     bpe = PRESETS["tiny"].bpe_vocab
-    assert list(ids.values()) == list(range(bpe, bpe + len(SPECIAL_TOKENS))) and len(tok) == bpe + 14
+    extra = QWEN3_EXTRA_TOKENS if arch in QWEN3_ARCHS else ()
+    assert list(ids.values()) == list(range(bpe, bpe + len(SPECIAL_TOKENS))) and len(tok) == bpe + 14 + len(extra)
+    assert [tok.convert_tokens_to_ids(t) for t in extra] == list(range(bpe + 14, bpe + 14 + len(extra)))
+    assert all(t not in tok.all_special_tokens for t in extra)  # Qwen3's <think> etc. are plain added tokens
 
     cfg = AutoConfig.from_pretrained(d)
-    text = cfg if arch == "qwen2" else cfg.text_config
+    text = cfg.get_text_config()
     assert text.eos_token_id == ids["<|im_end|>"] and text.bos_token_id == ids["<|endoftext|>"]
     assert text.vocab_size % 64 == 0 and text.vocab_size >= len(tok)
-    assert cfg.tie_word_embeddings is (arch == "qwen2")
-    if arch != "qwen2":
+    assert cfg.tie_word_embeddings is (arch in ("qwen2", "qwen3", "qwen3_vl"))
+    if arch in QWEN3_ARCHS:  # head_dim set apart from hidden / heads, as the hub's Qwen3 configs do
+        assert text.head_dim == 2 * text.hidden_size // text.num_attention_heads
+    if arch in ("qwen3_moe", "qwen3_vl_moe"):
+        assert text.num_experts == 8 and text.num_experts_per_tok == 2 and text.mlp_only_layers == [1]
+    if arch in VL_ARCHS:
         assert cfg.image_token_id == ids["<|image_pad|>"] and cfg.video_token_id == ids["<|video_pad|>"]
         assert cfg.vision_start_token_id == ids["<|vision_start|>"]
         assert cfg.vision_end_token_id == ids["<|vision_end|>"]
-        head_dim = text.hidden_size // text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
-        assert cfg.vision_config.spatial_merge_size == 2 and cfg.vision_config.patch_size == 14
+        patch = 16 if arch in QWEN3_ARCHS else 14
+        assert cfg.vision_config.spatial_merge_size == 2 and cfg.vision_config.patch_size == patch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -69,8 +86,9 @@ def test_chat_template(ckpts: dict[str, Path], arch: str) -> None:
     tok = AutoTokenizer.from_pretrained(ckpts[arch])
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert out == (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    system = "" if arch in QWEN3_ARCHS else "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    assert out == system + (
+        "<|im_start|>user\n"
         "<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
     )
     ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
@@ -93,7 +111,8 @@ def test_image_processor_loads(ckpts: dict[str, Path], arch: str) -> None:
     proc = AutoImageProcessor.from_pretrained(ckpts[arch])
     assert type(proc).__name__.startswith("Qwen2VLImageProcessor")
     out = proc(images=[Image.new("RGB", (150, 100))], return_tensors="pt")
-    assert out["image_grid_thw"].tolist() == [[1, 8, 10]]  # 100x150 -> 112x140 pixels -> 8x10 patches
+    # 100x150 -> 112x140 pixels -> 8x10 patches of 14 px; Qwen3: 96x160 pixels -> 6x10 patches of 16 px
+    assert out["image_grid_thw"].tolist() == [[1, 6, 10] if arch in QWEN3_ARCHS else [1, 8, 10]]
 
 
 def test_multibyte_round_trip_and_split_characters(ckpts: dict[str, Path]) -> None:
@@ -115,14 +134,15 @@ def test_model_loads_and_generates(ckpts: dict[str, Path], arch: str) -> None:
     ids = tok("Hello world", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 4)
-    if arch == "qwen2":
+    if arch not in VL_ARCHS:
         return
-    # One image through the vision tower: 8x10 patches merge 2x2 into 20 placeholder tokens.
+    # One image through the vision tower: 8x10 (Qwen3: 6x10) patches merge 2x2 into 20 (15) placeholder tokens.
     img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (100, 150, 3), dtype=np.uint8))
     px = AutoImageProcessor.from_pretrained(d)(images=[img], return_tensors="pt")
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * 20), return_tensors="pt").input_ids
+    num_tokens = 15 if arch in QWEN3_ARCHS else 20
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * num_tokens), return_tensors="pt").input_ids
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px["pixel_values"],
         image_grid_thw=px["image_grid_thw"], mm_token_type_ids=(ids == model.config.image_token_id).long(),
@@ -147,7 +167,7 @@ def test_deterministic_per_seed(ckpts: dict[str, Path], tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("arch", "low", "high"), [("qwen2_vl", 50e6, 60e6), ("qwen2_5_vl", 50e6, 60e6),
-                                                  ("qwen2", 45e6, 60e6)])  # fmt: skip
+                                                  ("qwen2", 45e6, 60e6), ("qwen3_vl_moe", 50e6, 80e6)])  # fmt: skip
 def test_bench_parameter_count(arch: str, low: float, high: float) -> None:
     p = PRESETS["bench"]
     ids = {t: p.bpe_vocab + i for i, t in enumerate(SPECIAL_TOKENS)}
