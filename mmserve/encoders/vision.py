@@ -1,8 +1,12 @@
 """The vision tower: transformers' own module for the checkpoint's architecture, loaded with the
 checkpoint's weights (either key layout), encoding one or more temporal groups of one item at a time.
 
-Qwen2-VL / Qwen2.5-VL vision attention never crosses a temporal group, so encoding groups
-separately gives exactly the embeddings of encoding the item whole.
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision attention never crosses a temporal group (cu_seqlens per t),
+and Qwen3-VL's learned position embeddings are interpolated per (h, w) grid, the same for every t; so
+encoding groups separately gives exactly the embeddings of encoding the item whole.
+
+Qwen3-VL's DeepStack: the tower also emits one merged feature per `deepstack_visual_indexes` layer;
+`encode` returns them beside the main embeddings as extra column blocks (see `encode`).
 
 Under tensor parallelism the tower is replicated (data mode: ranks encode different items), or, in
 weights mode, each block is sharded like the decoder (`shard_tower`): qkv and the MLP's first layer
@@ -38,6 +42,14 @@ def _tower_class(model_type: str) -> type[torch.nn.Module]:
         )
 
         return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel
+    if model_type == "qwen3_vl_moe":
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+        return Qwen3VLMoeVisionModel
     raise ValueError(f"model_type {model_type!r} has no vision tower mmserve knows")
 
 
@@ -73,13 +85,33 @@ class VisionTower:
         self.model.to(device=device, dtype=dtype).eval()
         self.device, self.dtype = device, dtype
         self.spatial_merge_size: int = vision_config.spatial_merge_size
+        # Qwen2-VL names the merger's output width `hidden_size`; Qwen2.5-VL and Qwen3-VL `out_hidden_size`.
+        self.out_hidden: int = getattr(vision_config, "out_hidden_size", None) or vision_config.hidden_size
+        self._num_deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+
+    @property
+    def num_deepstack_levels(self) -> int:
+        """L: DeepStack features per token beside the main embedding (Qwen3-VL; 0 for Qwen2/2.5-VL)."""
+        return self._num_deepstack
+
+    @property
+    def embed_width(self) -> int:
+        """Columns of `encode`'s output: out_hidden * (1 + L)."""
+        return self.out_hidden * (1 + self._num_deepstack)
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """pixel_values: [t * h * w, patch_dim] patches of `grid_thw` -> [t * h * w / merge**2, hidden]."""
+        """pixel_values: [t * h * w, patch_dim] patches of `grid_thw` -> [t * h * w / merge**2, embed_width].
+
+        Columns [0, out_hidden) hold the merged embeddings (what replaces the placeholder tokens);
+        columns [(1 + i) * out_hidden, (2 + i) * out_hidden) DeepStack level i, the feature added to the
+        decoder's hidden states after its layer i (Qwen3-VL only; L = 0 otherwise, the width out_hidden).
+        """
         grid = torch.tensor([grid_thw], device=self.device)
         out = self.model(pixel_values.to(self.device, self.dtype), grid_thw=grid)
-        return out.pooler_output
+        if not self._num_deepstack:
+            return out.pooler_output  # [tokens, out_hidden]
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)  # [tokens, out_hidden * (1 + L)]
 
 
 def _column(linear: nn.Linear, num_parts: int, tp: TensorParallelGroup, what: str) -> ColumnParallelLinear:
@@ -117,6 +149,9 @@ def shard_tower(model: nn.Module, tp: TensorParallelGroup) -> None:
         if hasattr(mlp, "fc1"):  # Qwen2-VL
             mlp.fc1 = _column(mlp.fc1, 1, tp, "vision MLP width")
             mlp.fc2 = _row(mlp.fc2, tp)
+        elif hasattr(mlp, "linear_fc1"):  # Qwen3-VL (its attention reshapes qkv by num_heads as well)
+            mlp.linear_fc1 = _column(mlp.linear_fc1, 1, tp, "vision MLP width")
+            mlp.linear_fc2 = _row(mlp.linear_fc2, tp)
         else:  # Qwen2.5-VL's gated MLP
             mlp.gate_proj = _column(mlp.gate_proj, 1, tp, "vision MLP width")
             mlp.up_proj = _column(mlp.up_proj, 1, tp, "vision MLP width")
