@@ -191,7 +191,7 @@ def test_store_kv_cache_writes_only_the_given_slots() -> None:
 def test_rms_norm_fused_fp32_path_matches_transformers_formula(rows: int) -> None:
     """RMSNorm takes F.rms_norm for fp32 input; the result equals Qwen2RMSNorm's steps (bf16 input keeps
     the explicit steps: normalise in fp32, cast back, then the weight)."""
-    from mmserve.models.qwen2 import RMSNorm
+    from mmserve.models.decoder import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(96, 1e-6)

@@ -29,12 +29,13 @@ from mmserve.encoders.vision import VisionTower
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
+from mmserve.kernels import dispatch
 from mmserve.kernels.dispatch import get_attention_backend
 from mmserve.models.config import DecoderConfig
+from mmserve.models.decoder import Decoder, DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
 from mmserve.models.loader import load_decoder_weights
 from mmserve.models.parallel import kv_head_range
-from mmserve.models.qwen2 import MRotaryEmbedding, Qwen2Decoder
 from mmserve.scheduler.output import EncoderWork, FailedRequest, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduler.plan_state import RequestStates, StepView
 
@@ -69,14 +70,15 @@ class ModelRunner:
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
         with torch.device("meta"):
-            model = Qwen2Decoder(cfg, self.backend, tp)
+            fused_moe = dispatch.get_moe_backend(device).fused_moe if cfg.moe_layers else None
+            model = Decoder(cfg, self.backend, tp, fused_moe)
         model = model.to_empty(device="cpu")
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         load_decoder_weights(model, model_dir)
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
-        self.model.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section).to(device)
+        self.model.rotary = rotary_embedding(cfg).to(device)
         # One pool per layer, this rank's KV heads: [2, num_blocks, block_size, num_kv_heads, head_dim]
         _, num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
         shape = (2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
@@ -192,7 +194,8 @@ class ModelRunner:
             return ModelRunnerOutput((), (), (), failed, encoder_s)
         forward_start = time.perf_counter()
         batch = self._prepare(views, rows)
-        hidden = self.model(batch, self.kv_caches, self._embeddings(views, batch))  # [num_tokens, hidden]
+        embeds, deepstack = self._embeddings(views, batch)
+        hidden = self.model(batch, self.kv_caches, embeds, deepstack)  # [num_tokens, hidden]
         sampled = [v for v in views if v.scheduled.sample]
         # [num_sampled, vocab] fp32 on the first rank; None on the others (and when nothing samples)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampled else None
@@ -254,7 +257,8 @@ class ModelRunner:
             return
         shares = split_encoder_work(work, self.tp.world_size)
         width = max(sum(run.num_tokens for run in share) for share in shares)
-        padded = torch.zeros(width, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        embed_width = self.vision.embed_width if self.vision is not None else self.cfg.hidden_size
+        padded = torch.zeros(width, embed_width, dtype=self.dtype, device=self.device)
         status = torch.zeros(1, dtype=torch.int32)
         try:
             row = 0
@@ -308,10 +312,19 @@ class ModelRunner:
         for k, chunk in enumerate(embeds.split(run.mm_input.tokens_per_group)):
             self.encoder_cache[(run.mm_input.mm_hash, run.first + k)] = chunk
 
-    def _embeddings(self, views: list[StepView], batch: ForwardBatch) -> torch.Tensor | None:
+    def _embeddings(
+        self, views: list[StepView], batch: ForwardBatch
+    ) -> tuple[torch.Tensor | None, DeepStackInput | None]:
         """Token embeddings with media embeddings spliced over their placeholder rows, or None when
-        no scheduled token is a placeholder (the model then embeds the ids itself)."""
+        no scheduled token is a placeholder (the model then embeds the ids itself); and, for towers with
+        DeepStack levels, those levels' rows of the scheduled placeholder tokens.
+
+        An encoder cache entry is [tokens, hidden * (1 + levels)]: the embeddings, then each level."""
         embeds = None
+        hidden = self.cfg.hidden_size
+        levels = self.cfg.num_deepstack_levels
+        visual_rows: list[torch.Tensor] = []
+        visual_levels: list[torch.Tensor] = []  # [tokens, levels * hidden] each
         row = 0
         for v in views:
             start, end = v.start, v.end
@@ -328,9 +341,15 @@ class ModelRunner:
                     g0, g1 = mm.group_range(group)
                     a, b = max(start, g0), min(end, g1)
                     cached = self.encoder_cache[(mm.mm_hash, group)]
-                    embeds[row + a - start : row + b - start] = cached[a - g0 : b - g0]
+                    embeds[row + a - start : row + b - start] = cached[a - g0 : b - g0, :hidden]
+                    if levels:
+                        visual_rows.append(torch.arange(row + a - start, row + b - start))
+                        visual_levels.append(cached[a - g0 : b - g0, hidden:])
             row += end - start
-        return embeds
+        if not visual_rows:
+            return embeds, None
+        stacked = torch.cat(visual_levels).view(-1, levels, hidden).transpose(0, 1)  # [levels, visual, hidden]
+        return embeds, DeepStackInput(torch.cat(visual_rows).to(self.device), stacked)
 
     def _rows(self, v: StepView) -> _Rows:
         bs = self.block_size

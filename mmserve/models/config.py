@@ -8,7 +8,14 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen2_vl", "qwen2_5_vl", "llama")
+SUPPORTED_MODEL_TYPES = (
+    "qwen2", "qwen2_vl", "qwen2_5_vl", "llama", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"
+)  # fmt: skip
+# Families with per-head RMSNorm on q and k (Qwen3), interleaved M-RoPE (Qwen3-VL) and MoE layers.
+_QK_NORM = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+_INTERLEAVED_MROPE = ("qwen3_vl", "qwen3_vl_moe")
+_MOE = ("qwen3_moe", "qwen3_vl_moe")
+_QKV_BIAS = ("qwen2", "qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,16 @@ class DecoderConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    mrope_interleaved: bool = False  # (t, h, w) frequencies interleaved (Qwen3-VL), not in blocks (Qwen2-VL)
+    # Mixture of experts: `moe_layers` lists the layers whose MLP is the sparse block; the others are dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    # DeepStack (Qwen3-VL): vision features added to the hidden states after each of the first N layers.
+    num_deepstack_levels: int = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> tuple[DecoderConfig, PretrainedConfig]:
@@ -44,13 +61,34 @@ class DecoderConfig:
         mrope_section = rope.get("mrope_section")
         if hf.model_type in ("qwen2_vl", "qwen2_5_vl") and mrope_section is None:
             mrope_section = [16, 24, 24]  # transformers' default for these models
+        if hf.model_type in _INTERLEAVED_MROPE and mrope_section is None:
+            mrope_section = [24, 20, 20]  # transformers' default for Qwen3-VL
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         eos = getattr(hf, "eos_token_id", None)
         if eos is None:
             eos = getattr(text, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        tie = bool(getattr(hf, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+        # The top-level value rules (transformers ties by it); a VL text config may carry a stale default.
+        tie = bool(getattr(hf, "tie_word_embeddings", False))
+        moe: dict = {}
+        if hf.model_type in _MOE:
+            dense = set(getattr(text, "mlp_only_layers", None) or ())
+            step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+            moe = dict(
+                num_experts=text.num_experts,
+                num_experts_per_tok=text.num_experts_per_tok,
+                moe_intermediate_size=text.moe_intermediate_size,
+                # Qwen3-VL-MoE's router always renormalises; Qwen3-MoE's as `norm_topk_prob` says.
+                norm_topk_prob=hf.model_type == "qwen3_vl_moe" or bool(getattr(text, "norm_topk_prob", False)),
+                moe_layers=tuple(
+                    i
+                    for i in range(text.num_hidden_layers)
+                    if i not in dense and text.num_experts > 0 and (i + 1) % step == 0
+                ),
+            )
+        vision = getattr(hf, "vision_config", None)
+        deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ()) if vision is not None else 0
         return (
             cls(
                 model_type=hf.model_type,
@@ -64,10 +102,14 @@ class DecoderConfig:
                 rms_norm_eps=text.rms_norm_eps,
                 rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
                 mrope_section=list(mrope_section) if mrope_section else None,
-                qkv_bias=hf.model_type != "llama" or bool(getattr(text, "attention_bias", False)),
+                qkv_bias=hf.model_type in _QKV_BIAS or bool(getattr(text, "attention_bias", False)),
                 tie_word_embeddings=tie,
                 max_position_embeddings=text.max_position_embeddings,
                 eos_token_ids=eos_ids,
+                qk_norm=hf.model_type in _QK_NORM,
+                mrope_interleaved=hf.model_type in _INTERLEAVED_MROPE,
+                num_deepstack_levels=deepstack,
+                **moe,
             ),
             hf,
         )

@@ -1,8 +1,12 @@
-"""mmserve's Qwen2-family decoder: Qwen2 / Qwen2.5 text models and the language model of Qwen2-VL /
-Qwen2.5-VL (M-RoPE), plus Llama-style checkpoints (no qkv bias). Attention goes through the paged
-KV cache kernels; the model knows nothing of requests or scheduling."""
+"""mmserve's decoder for the Qwen families: Qwen2 / Qwen2.5 text models and the language model of Qwen2-VL /
+Qwen2.5-VL (M-RoPE), Llama-style checkpoints (no qkv bias), Qwen3 (per-head q/k norms), Qwen3-MoE (sparse
+MLP layers, `models/moe.py`) and the language model of Qwen3-VL / Qwen3-VL-MoE (interleaved M-RoPE,
+DeepStack). Attention goes through the paged KV cache kernels; the model knows nothing of requests or
+scheduling."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +16,7 @@ from mmserve.distributed.group import TensorParallelGroup
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
+from mmserve.models.moe import FusedMoE, SparseMoE
 from mmserve.models.parallel import (
     ColumnParallelLinear,
     OutputPart,
@@ -21,6 +26,17 @@ from mmserve.models.parallel import (
     kv_head_range,
     split_evenly,
 )
+
+
+@dataclass(frozen=True)
+class DeepStackInput:
+    rows: torch.Tensor  # [num_visual] int64: batch rows of the scheduled visual tokens
+    embeds: torch.Tensor  # [levels, num_visual, hidden]: level i is added after layer i
+
+
+def rotary_embedding(cfg: DecoderConfig) -> MRotaryEmbedding:
+    """The rotary embedding of `cfg` (fp32 frequency buffers; build after any dtype cast)."""
+    return MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
 
 class RMSNorm(nn.Module):
@@ -40,10 +56,14 @@ class RMSNorm(nn.Module):
 
 
 class MRotaryEmbedding(nn.Module):
-    """Rotary embedding over three position rows (t, h, w); the frequency dims are split into
-    `mrope_section` parts, part i rotating with row i. Equal rows give plain 1-D RoPE."""
+    """Rotary embedding over three position rows (t, h, w); each frequency rotates with one row. In blocks
+    (Qwen2-VL): the frequencies split into `mrope_section` runs, run i on row i. Interleaved (Qwen3-VL):
+    frequency j takes row 1 (h) when j % 3 == 1 and j < 3 * section[1], row 2 (w) when j % 3 == 2 and
+    j < 3 * section[2], else row 0 (t). Equal rows give plain 1-D RoPE either way."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, mrope_section: list[int] | None, interleaved: bool = False
+    ) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim / 2]
@@ -51,7 +71,12 @@ class MRotaryEmbedding(nn.Module):
         if sum(section) != head_dim // 2:
             raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {head_dim // 2}")
         # Which position row drives each frequency: [head_dim / 2]
-        row = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+        if interleaved and len(section) == 3:
+            row = torch.zeros(head_dim // 2, dtype=torch.long)
+            row[1 : 3 * section[1] : 3] = 1
+            row[2 : 3 * section[2] : 3] = 2
+        else:
+            row = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
         self.register_buffer("row_of_freq", row, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +108,9 @@ class Attention(nn.Module):
         q = OutputPart(cfg.num_heads * hd, tp.rank * self.q_size, self.q_size)
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=False, tp=tp)
+        # Qwen3: RMSNorm over each head's dims on q and k, before RoPE.
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -95,8 +123,11 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.backend.store_kv_cache(k, v, kv_cache, batch.slot_mapping)
         out = self.backend.paged_attention(
@@ -118,12 +149,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup,
+        fused_moe: FusedMoE | None = None,  # set: this layer's MLP is the sparse block
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.mlp: nn.Module = (
+            MLP(cfg.hidden_size, cfg.intermediate_size, tp) if fused_moe is None else SparseMoE(cfg, tp, fused_moe)
+        )
 
     def forward(
         self,
@@ -137,19 +176,29 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen2Decoder(nn.Module):
-    """One tensor-parallel rank's shard of the decoder (the whole decoder with a group of one)."""
+class Decoder(nn.Module):
+    """One tensor-parallel rank's shard of the decoder (the whole decoder with a group of one).
+    `fused_moe`: the expert kernel the sparse layers call (needed when the config has MoE layers)."""
 
     def __init__(
-        self, cfg: DecoderConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None
+        self,
+        cfg: DecoderConfig,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup | None = None,
+        fused_moe: FusedMoE | None = None,
     ) -> None:
         super().__init__()
         tp = tp or TensorParallelGroup.single()
         self.cfg = cfg
+        if cfg.moe_layers and fused_moe is None:
+            raise ValueError("this decoder has MoE layers: it needs a fused_moe kernel")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
+        moe_layers = set(cfg.moe_layers)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, tp, fused_moe if i in moe_layers else None) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = rotary_embedding(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -159,12 +208,17 @@ class Qwen2Decoder(nn.Module):
         batch: ForwardBatch,
         kv_caches: list[torch.Tensor],
         inputs_embeds: torch.Tensor | None = None,  # [num_tokens, hidden]; media embeddings spliced in
+        deepstack: DeepStackInput | None = None,
     ) -> torch.Tensor:
-        """Returns the final hidden states [num_tokens, hidden]."""
+        """Returns the final hidden states [num_tokens, hidden]. `deepstack`: vision features added to
+        the visual tokens' hidden states after each of the first layers (Qwen3-VL), as transformers'
+        `_deepstack_process` does; a chunk adds the rows of the visual tokens it holds."""
         x = self.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(batch.positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, batch, kv_cache)
+            if deepstack is not None and i < deepstack.embeds.shape[0]:
+                x = x.index_add(0, deepstack.rows, deepstack.embeds[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,8 +1,8 @@
 """Loads a decoder's weights (one tensor-parallel rank's slices of them) from a Hugging Face checkpoint
 directory (`*.safetensors`, sharded or not), accepting both key layouts: transformers 5.x
 (`model.language_model.*`) and the older hub one (`model.*`), with q/k/v and gate/up stored apart or
-already fused. Each layer says which slice it holds (`models/parallel.py`); only those bytes are read.
-Vision tower keys are left to the encoder loader."""
+already fused, and MoE experts per expert or fused (`models/moe.py`). Each layer says which slice it holds
+(`models/parallel.py`); only those bytes are read. Vision tower keys are left to the encoder loader."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mmserve.models.qwen2 import Qwen2Decoder
+from mmserve.models.decoder import Decoder
+from mmserve.models.moe import Experts
 
 # Checkpoint name (after prefix normalisation) -> (our module, part index) for fused projections.
 _FUSED = {
@@ -25,6 +26,8 @@ _FUSED = {
 }
 _NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 _VISION = re.compile(r"^(model\.)?visual\.")
+# One expert's projection in a per-expert checkpoint: layers.N.mlp.experts.E.gate_proj.weight
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _normalise_key(key: str) -> str | None:
@@ -43,13 +46,13 @@ def _slice_reader(tensor_slice: object) -> object:
     """(dim, start, length) -> that slice of a safetensors tensor, reading only its bytes."""
 
     def read(dim: int, start: int, length: int) -> torch.Tensor:
-        index = (slice(start, start + length),) if dim == 0 else (slice(None), slice(start, start + length))
+        index = (slice(None),) * dim + (slice(start, start + length),)
         return tensor_slice[index]  # type: ignore[index]
 
     return read
 
 
-def load_decoder_weights(model: Qwen2Decoder, model_dir: str | Path) -> None:
+def load_decoder_weights(model: Decoder, model_dir: str | Path) -> None:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -64,6 +67,15 @@ def load_decoder_weights(model: Qwen2Decoder, model_dir: str | Path) -> None:
                     continue
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
                     continue  # some tied checkpoints store the shared matrix twice
+                expert = _EXPERT.match(name)
+                if expert is not None:  # one expert's projection: the experts module places it
+                    experts = modules.get(expert.group(1))
+                    if not isinstance(experts, Experts):
+                        raise KeyError(f"checkpoint key {key!r} has no place in the decoder (no experts here)")
+                    tensor_slice = f.get_slice(key)
+                    shape = tuple(tensor_slice.get_shape())
+                    _load(experts, expert.group(3), shape, _slice_reader(tensor_slice), int(expert.group(2)), key)
+                    continue
                 module_name, _, param_name = name.rpartition(".")
                 part = None
                 *parents, leaf = module_name.split(".")
@@ -100,10 +112,15 @@ def _load(module: nn.Module, param_name: str, shape: tuple[int, ...], read: obje
         raise ValueError(f"{key}: {exc}") from None
 
 
-def _check_complete(model: Qwen2Decoder, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+def _check_complete(model: Decoder, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
     missing = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, Experts):  # tracks its experts itself: per-expert and fused keys both fill it
+            missing += [f"{module_name}.{m}" for m in module.missing()]
     for name in params:
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        if ".experts." in name:
             continue
         module = name.rpartition(".")[0].rpartition(".")[2]
         parts = _NUM_PARTS.get(module, 0)
