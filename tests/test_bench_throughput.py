@@ -5,6 +5,7 @@ agreement, and long-video (videos arriving into running decodes, encoder chunkin
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,3 +139,49 @@ def test_long_video_with_an_encoder_token_cost_keeps_greedy_outputs(
 def test_refused_workloads(tiny_model_dir: Callable[[str], Path], args: list[str]) -> None:
     argv = ["bench", "throughput", "--model", str(tiny_model_dir("qwen2_vl")), "--quick"]
     assert main([*argv, *args]) == 2
+
+
+def test_qwen3_vl_moe_against_hf_static_reports_the_expert_share(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen3-VL-MoE, image requests, beside transformers' generate() (mm_token_type_ids): the ratio and the
+    share of decoder-forward time inside the SparseMoE modules (bench hooks) are finite and in range."""
+    report = run_quick(
+        tiny_model_dir("qwen3_vl_moe"), tmp_path / "moe.json", "random-mm", ["mmserve", "hf-static"]
+    )
+    mm, hf = report["systems"]["mmserve"], report["systems"]["hf-static"]
+    assert math.isfinite(mm["ratio_to_hf_static"]) and mm["ratio_to_hf_static"] > 0
+    assert 0 < mm["expert_share"] < 1
+    assert hf["expert_share"] is None
+    assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
+
+
+def test_dense_model_has_no_expert_share(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    report = run_quick(tiny_model_dir("qwen2"), tmp_path / "dense.json", "random", ["mmserve"])
+    assert report["systems"]["mmserve"]["expert_share"] is None
+
+
+def test_long_video_whole_video_encoding_beside_chunked(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """--whole-video: chunked prefill in both, the video encoded by groups under the 32-token encoder budget
+    (mmserve) or whole in one step (mmserve-whole-video); longest step / median reported for each."""
+    report = run_quick(
+        tiny_model_dir("qwen2_vl"), tmp_path / "wv.json", "long-video", ["mmserve"], "--whole-video"
+    )
+    assert list(report["systems"]) == ["mmserve", "mmserve-whole-video"]
+    video_tokens = report["workload"]["video_tokens"]
+    chunked, whole = report["systems"]["mmserve"], report["systems"]["mmserve-whole-video"]
+    assert chunked["max_encoder_tokens_in_a_step"] <= 32 < video_tokens
+    assert whole["max_encoder_tokens_in_a_step"] >= video_tokens
+    # Chunked prefill in both: no step exceeds the 64-token budget.
+    assert all(s["decode_tokens"] + s["prefill_tokens"] <= 64 for s in whole["timeline"])
+    for r in (chunked, whole):
+        assert r["max_step_over_median"] == pytest.approx(r["max_step_s"] / r["median_step_s"])
+    ec = report["encoder_chunking"]
+    assert set(ec) >= {
+        "max_step_over_median_chunked", "max_step_over_median_whole_video",
+        "max_step_whole_video_over_chunked", "throughput_chunked_over_whole_video",
+    }  # fmt: skip
+    assert all(math.isfinite(v) and v > 0 for v in ec.values())
+    assert report["outputs_differing_from_first_system"]["mmserve-whole-video"] == 0

@@ -52,6 +52,10 @@ class SystemResult:
     median_step_s: float | None = None
     max_encoder_tokens_in_a_step: int | None = None
     timeline: list[dict] | None = None
+    max_step_over_median: float | None = None  # long-video: longest step / median step
+    # mmserve on an MoE model: seconds inside SparseMoE forwards (router + experts) over decoder-forward
+    # seconds of the timed run's step records (see ExpertTimer); None for a dense model.
+    expert_share: float | None = None
     # With repeats > 1: every run's wall time, in run order; the other figures are the median run's.
     elapsed_s_runs: list[float] | None = None
 
@@ -90,12 +94,16 @@ def dense_token_rate(
 
 
 # system -> (scheduler policy, encoder chunking). mmserve-no-chunk is vLLM without chunked prefill:
-# whole prefills, each media item encoded whole in the step that reaches it.
+# whole prefills, each media item encoded whole in the step that reaches it. mmserve-whole-video keeps
+# chunked prefill at the same token budget but encodes each video whole (all its temporal groups, under
+# an encoder budget at least one video) in the step its placeholder is first reached: encoder chunking
+# alone, against mmserve (`--whole-video`; not in SYSTEMS, so the default lists stay as they were).
 MMSERVE_SYSTEMS = {
     "mmserve": ("fcfs", True),
     "mmserve-no-chunk": ("no_chunk", False),
     "mmserve-static": ("static", True),
     "mmserve-structured": ("fcfs", True),  # mmserve with every request constrained by STRUCTURED_REGEX
+    "mmserve-whole-video": ("fcfs", False),
 }
 # JSON-like records, repeated: the grammar accepts after every record, so with ignore_eos (EOS is not
 # offered while the grammar allows more) each request still runs to its fixed output length, as the
@@ -111,6 +119,55 @@ class MmserveRun:
     step_time_split: dict
     max_num_batched_tokens: int
     arrivals: dict | None = None  # long-video: the arrival driver's latency fields, see _arrival_stats
+    expert_share: float | None = None  # MoE models: see SystemResult.expert_share
+
+
+class ExpertTimer:
+    """Wall time spent inside every `SparseMoE` forward (router, top-k, fused experts) of a model, from
+    forward pre/post hooks the bench adds and removes: the model code is not changed. On a GPU each hook
+    synchronizes first (otherwise it would time kernel launches), which slows the run it measures a
+    little; on the CPU the hooks only read the clock."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from mmserve.models.moe import SparseMoE
+
+        self.seconds = 0.0
+        self._start = 0.0
+        modules = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self.num_modules = len(modules)
+        device = next(model.parameters()).device
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._handles = [h for m in modules for h in (
+            m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post)
+        )]  # fmt: skip
+
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def _post(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._sync()
+        self.seconds += time.perf_counter() - self._start
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _expert_timer(llm: LLM) -> ExpertTimer | None:
+    """A timer on the in-process runner's decoder, or None: a dense model (no SparseMoE), or ranks in
+    other processes (tensor parallel), whose modules the bench cannot hook."""
+    runner = getattr(llm.engine.executor, "_runner", None)
+    if runner is None:
+        return None
+    timer = ExpertTimer(runner.model)
+    if timer.num_modules == 0:
+        timer.close()
+        return None
+    return timer
 
 
 def _make_llm(
@@ -127,6 +184,8 @@ def _make_llm(
     policy, chunk_encoder = MMSERVE_SYSTEMS[system]
     if policy in ("no_chunk", "static"):  # these refuse a prompt longer than the budget
         budget = max(budget, max(len(p) for p in workload.prompts))
+    if system == "mmserve-whole-video":  # an encoder budget that takes one whole video
+        encoder_budget = max(encoder_budget or budget, workload.video_tokens)
     return LLM(
         model_dir,
         scheduler_policy=policy,
@@ -191,6 +250,7 @@ def run_mmserve(
     ]
     _warm_up(llm, workload)
     arrivals = None
+    timer = _expert_timer(llm)
     llm.step_records.clear()
     if workload.arrival_steps is None:
         start = time.perf_counter()
@@ -200,6 +260,11 @@ def run_mmserve(
     else:
         elapsed, tokens, stamps = _drive_arrivals(llm, workload, params)
         arrivals = _arrival_stats(llm, workload, stamps)
+    expert_share = None
+    if timer is not None:
+        timer.close()
+        forward = sum(s.forward_duration_s for s in llm.step_records)
+        expert_share = timer.seconds / forward if forward > 0 else None
     stats = llm.stats()
     return MmserveRun(
         elapsed_s=elapsed,
@@ -208,6 +273,7 @@ def run_mmserve(
         step_time_split=step_time_split(list(llm.step_records), elapsed),
         max_num_batched_tokens=llm.engine.scheduler_config.max_num_batched_tokens,
         arrivals=arrivals,
+        expert_share=expert_share,
     )
 
 
@@ -268,6 +334,7 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]]) -> d
         "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3 if len(gaps) else None,
         "max_step_s": max(times),
         "median_step_s": float(np.median(times)),
+        "max_step_over_median": max(times) / float(np.median(times)),
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
         "timeline": step_timeline(steps),
     }
@@ -326,15 +393,18 @@ def bench_throughput(
 
     from mmserve.models.config import DecoderConfig
 
-    unknown = set(systems) - set(SYSTEMS)
+    known = (*SYSTEMS, *(k for k in MMSERVE_SYSTEMS if k not in SYSTEMS))
+    unknown = set(systems) - set(known)
     if unknown:
-        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {known}")
     if workload_name not in WORKLOADS:
         raise ValueError(f"unknown workload {workload_name!r}; choose from {WORKLOADS}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if workload_name in ("random-mm", "long-video") and "hf-cb" in systems:
         raise ValueError("hf-cb runs text workloads only (random, prefix)")
+    if workload_name != "long-video" and "mmserve-whole-video" in systems:
+        raise ValueError("mmserve-whole-video compares encoder chunking on the long-video workload only")
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
     if workload_name == "random":
         workload = random_workload(cfg.vocab_size, num_prompts, input_len, output_len, seed)
@@ -387,6 +457,7 @@ def bench_throughput(
                 "kv_cache_peak_usage": run.kv_cache_peak_usage,
                 "step_time_split": run.step_time_split,
                 "max_num_batched_tokens": run.max_num_batched_tokens,
+                "expert_share": run.expert_share,
                 **(run.arrivals or {}),
             }
         out_rate = workload.num_output_tokens / elapsed
@@ -451,6 +522,7 @@ def bench_throughput(
         },
         **_chunking_cost(results),
         **_structured_cost(results),
+        **_whole_video_cost(results),
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -470,6 +542,23 @@ def _structured_cost(results: dict[str, SystemResult]) -> dict:
             "elapsed_over_unconstrained": structured.elapsed_s / plain.elapsed_s,
         }
     }
+
+
+def _whole_video_cost(results: dict[str, SystemResult]) -> dict:
+    """long-video, mmserve against mmserve-whole-video when both ran (same token budget, chunked prefill
+    in both): what encoding a video by temporal groups does to the longest step, against the median."""
+    chunk, whole = results.get("mmserve"), results.get("mmserve-whole-video")
+    if chunk is None or whole is None or chunk.max_step_s is None or whole.max_step_s is None:
+        return {}
+    cost = {
+        "max_step_over_median_chunked": chunk.max_step_over_median,
+        "max_step_over_median_whole_video": whole.max_step_over_median,
+        "max_step_whole_video_over_chunked": whole.max_step_s / chunk.max_step_s,
+        "throughput_chunked_over_whole_video": chunk.output_tokens_per_s / whole.output_tokens_per_s,
+    }
+    if chunk.itl_p99_ms is not None and whole.itl_p99_ms:
+        cost["p99_itl_chunked_over_whole_video"] = chunk.itl_p99_ms / whole.itl_p99_ms
+    return {"encoder_chunking": cost}
 
 
 def _chunking_cost(results: dict[str, SystemResult]) -> dict:
@@ -499,12 +588,14 @@ def format_report(report: dict) -> str:
     for r in report["systems"].values():
         if r.get("step_time_split"):
             sp = r["step_time_split"]
+            experts = f"; experts {r['expert_share']:.0%} of forward" if r.get("expert_share") is not None else ""
             lines.append(
                 f"{r['system']}: time split forward {sp['forward']:.0%}, encoder {sp['encoder']:.0%}, "
                 f"sampling {sp['sampling']:.0%}, host overhead {sp['host_overhead']:.0%} "
                 f"(scheduler+update {sp['scheduler_and_update']:.0%}, "
                 f"outside steps {sp['outside_steps']:.0%}); "
                 f"KV peak {r['kv_cache_peak_usage']:.1%}"
+                + experts
             )
     for r in report["systems"].values():
         if r.get("timeline") is not None:
@@ -515,7 +606,8 @@ def format_report(report: dict) -> str:
             )
             lines.append(
                 f"{r['system']}: {itl}; step max {r['max_step_s'] * 1e3:.1f} ms, median "
-                f"{r['median_step_s'] * 1e3:.1f} ms over {len(r['timeline'])} steps; at most "
+                f"{r['median_step_s'] * 1e3:.1f} ms (max/median {r['max_step_over_median']:.2f}) over "
+                f"{len(r['timeline'])} steps; at most "
                 f"{r['max_encoder_tokens_in_a_step']} encoder tokens in a step "
                 f"(a video is {report['workload']['video_tokens']}), token budget {r['max_num_batched_tokens']}"
             )
@@ -532,6 +624,14 @@ def format_report(report: dict) -> str:
     if "p99_itl_chunk_over_no_chunk" in report:
         lines.append(
             f"p99 text ITL, mmserve / mmserve-no-chunk: {report['p99_itl_chunk_over_no_chunk']:.2f}x"
+        )
+    if "encoder_chunking" in report:
+        ec = report["encoder_chunking"]
+        lines.append(
+            f"encoder chunking (mmserve) vs whole-video encoding (mmserve-whole-video): longest step / median "
+            f"{ec['max_step_over_median_chunked']:.2f} vs {ec['max_step_over_median_whole_video']:.2f}; "
+            f"longest step whole / chunked {ec['max_step_whole_video_over_chunked']:.2f}x; "
+            f"output tok/s chunked / whole {ec['throughput_chunked_over_whole_video']:.2f}x"
         )
     if "throughput_cost_of_chunking" in report:
         lines.append(
