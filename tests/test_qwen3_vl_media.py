@@ -124,3 +124,84 @@ def test_sharded_tower_equals_whole(qwen3_dir: Path, qwen3_model: torch.nn.Modul
         t.join(timeout=60)
     for out in outs:
         torch.testing.assert_close(out, whole, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ preprocessing
+
+
+def test_tiny_checkpoint_configs_parse(qwen3_dir: Path) -> None:
+    from mmserve.encoders.preprocess import load_preprocess_configs
+
+    image, video = load_preprocess_configs(qwen3_dir, "qwen3_vl")  # it has its own video file: used as is
+    assert (image.patch_size, image.factor, image.image_mean, image.whole_clip) == (16, 32, (0.5,) * 3, False)
+    assert (image.min_pixels, image.max_pixels) == (4096, 65536)  # its `size` dict
+    assert video.whole_clip and (video.patch_size, video.fps, video.min_frames) == (16, 2.0, 4)
+    assert (video.min_pixels, video.max_pixels) == (8192, 262144)
+
+
+def test_image_equals_transformers(qwen3_dir: Path) -> None:
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from mmserve.encoders.preprocess import load_preprocess_config, preprocess_image
+
+    cfg = load_preprocess_config(qwen3_dir, "image")
+    proc = AutoImageProcessor.from_pretrained(qwen3_dir)
+    for h, w in ((64, 96), (300, 451), (20, 700)):
+        img = Image.fromarray(np.random.default_rng(h).integers(0, 256, (h, w, 3), dtype=np.uint8))
+        ours = preprocess_image(img, cfg)
+        ref = proc(images=[img], return_tensors="pt")
+        assert ours.grid_thw == tuple(ref["image_grid_thw"][0].tolist())
+        assert torch.equal(ours.pixel_values, ref["pixel_values"])
+
+
+def test_whole_clip_smart_resize_equals_transformers() -> None:
+    import itertools
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_smart_resize
+
+    from mmserve.encoders.preprocess import smart_resize_clip
+
+    sizes = [(h, w) for h, w in itertools.product((5, 17, 31, 32, 64, 100, 144, 361, 720, 1080, 2160), repeat=2)]
+    sizes += [(10, 1900), (3000, 16), (7, 7), (1, 150)]
+    bounds = [(128 * 32 * 32, 32 * 32 * 768), (4096, 25165824), (8192, 262144)]
+    checked = 0
+    for (h, w), frames, (lo, hi) in itertools.product(sizes, (2, 3, 4, 5, 7, 16, 61, 768), bounds):
+        try:
+            expected = hf_smart_resize(frames, h, w, temporal_factor=2, factor=32, min_pixels=lo, max_pixels=hi)
+        except ValueError:
+            with pytest.raises(ValueError):  # InvalidRequestError is a ValueError
+                smart_resize_clip(frames, h, w, 2, 32, lo, hi)
+            continue
+        assert smart_resize_clip(frames, h, w, 2, 32, lo, hi) == expected, (h, w, frames, lo, hi)
+        checked += 1
+    assert checked > 2000
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_video_grids_equal_qwen3_video_processor(qwen3_dir: Path, cap: bool) -> None:
+    """Our grid (config parsed from the checkpoint, and the class defaults) equals Qwen3VLVideoProcessor's
+    own count (its `get_num_of_video_patches` follows `resize`, incl. the cap_pixels_per_frame variant)."""
+    import dataclasses
+
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from mmserve.encoders.preprocess import (
+        family_video_config,
+        load_preprocess_config,
+        video_grid_thw,
+    )
+
+    ours_ckpt = dataclasses.replace(load_preprocess_config(qwen3_dir, "video"), cap_pixels_per_frame=cap)
+    ours_default = family_video_config(load_preprocess_config(qwen3_dir, "image"), "qwen3_vl")
+    ours_default = dataclasses.replace(ours_default, cap_pixels_per_frame=cap)
+    for ours, proc in (
+        (ours_ckpt, Qwen3VLVideoProcessor.from_pretrained(qwen3_dir)),
+        (ours_default, Qwen3VLVideoProcessor()),
+    ):
+        for frames, h, w in ((4, 64, 96), (5, 720, 1280), (7, 144, 176), (60, 1080, 1920), (600, 480, 640), (2, 20, 40)):
+            t, gh, gw = video_grid_thw(frames, h, w, ours)
+            expected = proc.get_num_of_video_patches(frames, h, w, {"cap_pixels_per_frame": cap})
+            assert t * gh * gw == expected, (frames, h, w)
+            assert t == -(-frames // 2)

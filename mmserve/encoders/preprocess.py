@@ -1,10 +1,12 @@
-"""Qwen2-VL / Qwen2.5-VL pixel preprocessing: checkpoint config, smart resize, rescale + normalize, temporal
-padding, patchify, grid sizes and `mm_hash`. Equal to transformers' PIL image processor, frame by frame for
-video. Knows nothing of decoding, limits, the vision encoders or the engine.
+"""Qwen2-VL / Qwen2.5-VL / Qwen3-VL pixel preprocessing: checkpoint config, smart resize, rescale + normalize,
+temporal padding, patchify, grid sizes and `mm_hash`. Equal to transformers' PIL image processor, frame by frame
+for video (Qwen3-VL's video size rule bounds the whole clip). Knows nothing of decoding, limits, the vision
+encoders or the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,7 +25,9 @@ from mmserve.errors import InvalidRequestError
 Modality = Literal["image", "video"]
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)  # Qwen3-VL's mean and std
 MAX_ASPECT_RATIO = 200  # smart_resize refuses anything longer and thinner
+QWEN3_VIDEO_PROCESSOR = "Qwen3VLVideoProcessor"  # `video_processor_type` of Qwen3-VL's whole-clip size rule
 # transformers' class defaults (Qwen2VLImageProcessorPil / Qwen2VLVideoProcessor) for keys a config omits.
 _DEFAULT_SIZE: dict[str, tuple[int, int]] = {
     "image": (56 * 56, 28 * 28 * 1280),
@@ -34,6 +38,13 @@ _DEFAULT_SIZE: dict[str, tuple[int, int]] = {
 _CONFIG_FILES: dict[str, tuple[str, ...]] = {
     "image": ("preprocessor_config.json",),
     "video": ("video_preprocessor_config.json", "preprocessor_config.json"),
+}
+# Qwen3VLVideoProcessor's class defaults where they differ from Qwen2VLVideoProcessor's.
+_QWEN3_VIDEO_DEFAULTS: dict[str, Any] = {
+    "size": (128 * 32 * 32, 32 * 32 * 768),  # of the whole clip (frames x height x width)
+    "patch_size": 16,
+    "mean_std": IMAGENET_STANDARD,
+    "max_video_tokens": 768,  # per frame, in merged tokens (Qwen2's is the whole video's budget)
 }
 
 
@@ -60,7 +71,10 @@ class VisionPreprocessConfig:
     min_frames: int | None = None
     max_frames: int | None = None
     cap_pixels_per_frame: bool = False  # qwen-vl-utils' total-pixel budget shared by the frames
-    max_video_tokens: int = 128000  # that budget's size, in merged tokens
+    max_video_tokens: int = 128000  # that budget's size, in merged tokens (whole_clip: a per-frame ceiling)
+    # Qwen3VLVideoProcessor's rule: min/max_pixels bound the pixels of the whole clip (frames rounded to the
+    # temporal patch x height x width), not of one frame; frames smaller than `factor` are scaled up first.
+    whole_clip: bool = False
 
     def __post_init__(self) -> None:
         # Tuples, so the config stays hashable (it keys the value-table cache) even when given lists.
@@ -115,9 +129,16 @@ def load_preprocess_config(model_dir: str | Path, modality: Modality) -> VisionP
     return config_from_dict(raw, modality)
 
 
-def load_preprocess_configs(model_dir: str | Path) -> tuple[VisionPreprocessConfig, VisionPreprocessConfig]:
-    """(image, video) settings of a checkpoint."""
-    return load_preprocess_config(model_dir, "image"), load_preprocess_config(model_dir, "video")
+def load_preprocess_configs(
+    model_dir: str | Path, model_type: str | None = None
+) -> tuple[VisionPreprocessConfig, VisionPreprocessConfig]:
+    """(image, video) settings of a checkpoint. With `model_type`, a checkpoint without video settings of its
+    own gets its family's video defaults (`family_video_config`) instead of the image file's bounds (what
+    transformers would use: far more pixels per frame than Qwen's models are run with)."""
+    image = load_preprocess_config(model_dir, "image")
+    if model_type is not None and not has_video_config(model_dir):
+        return image, family_video_config(image, model_type)
+    return image, load_preprocess_config(model_dir, "video")
 
 
 def config_from_dict(raw: Mapping[str, Any], modality: Modality) -> VisionPreprocessConfig:
@@ -151,7 +172,44 @@ def config_from_dict(raw: Mapping[str, Any], modality: Modality) -> VisionPrepro
         kw["max_frames"] = int(_first(raw.get("max_frames"), 768))
         kw["cap_pixels_per_frame"] = bool(raw.get("cap_pixels_per_frame") or False)
         kw["max_video_tokens"] = int(_first(raw.get("max_video_tokens"), 128000))
+        if raw.get("video_processor_type") == QWEN3_VIDEO_PROCESSOR:  # its class defaults, whole-clip sizes
+            kw["whole_clip"] = True
+            kw["fps"] = float(_first(raw.get("fps"), 2))
+            kw["max_video_tokens"] = int(_first(raw.get("max_video_tokens"), _QWEN3_VIDEO_DEFAULTS["max_video_tokens"]))
+            kw["patch_size"] = int(_first(raw.get("patch_size"), _QWEN3_VIDEO_DEFAULTS["patch_size"]))
+            if raw.get("size") is None and raw.get("min_pixels") is None and raw.get("max_pixels") is None:
+                kw["min_pixels"], kw["max_pixels"] = _QWEN3_VIDEO_DEFAULTS["size"]
+            kw["image_mean"] = _triple(raw.get("image_mean", _QWEN3_VIDEO_DEFAULTS["mean_std"]))
+            kw["image_std"] = _triple(raw.get("image_std", _QWEN3_VIDEO_DEFAULTS["mean_std"]))
     return VisionPreprocessConfig(**kw)
+
+
+def has_video_config(model_dir: str | Path) -> bool:
+    """Whether the checkpoint states video settings of its own (else transformers gives the video processor
+    the image file, and with it the image pixel bounds)."""
+    model_dir = Path(model_dir)
+    nested = model_dir / "processor_config.json"
+    if nested.is_file() and json.loads(nested.read_text(encoding="utf-8")).get("video_processor") is not None:
+        return True
+    return (model_dir / "video_preprocessor_config.json").is_file()
+
+
+def family_video_config(image: VisionPreprocessConfig, model_type: str) -> VisionPreprocessConfig:
+    """The video settings Qwen's own preprocessing applies to a checkpoint that states none, from its image
+    settings (patch sizes, mean, std...). Qwen2-VL / Qwen2.5-VL: qwen-vl-utils' bounds (128..768 merged tokens
+    of 28 x 28 px per frame, and 128000 tokens' worth x 0.9 of pixels shared by the frames), 2 fps. Qwen3-VL:
+    Qwen3VLVideoProcessor's class defaults (a whole-clip pixel bound, 2 fps)."""
+    common: dict[str, Any] = {"modality": "video", "fps": 2.0, "min_frames": 4, "max_frames": 768}
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        lo, hi = _QWEN3_VIDEO_DEFAULTS["size"]
+        return dataclasses.replace(
+            image, **common, min_pixels=lo, max_pixels=hi, whole_clip=True, cap_pixels_per_frame=False,
+            max_video_tokens=_QWEN3_VIDEO_DEFAULTS["max_video_tokens"],
+        )  # fmt: skip
+    return dataclasses.replace(
+        image, **common, min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, cap_pixels_per_frame=True,
+        max_video_tokens=128000, whole_clip=False,
+    )  # fmt: skip
 
 
 def _first(*values: Any) -> Any:
@@ -192,6 +250,40 @@ def smart_resize(
     return h_bar, w_bar
 
 
+def smart_resize_clip(
+    num_frames: int,
+    height: int,
+    width: int,
+    temporal_factor: int = 2,
+    factor: int = 32,
+    min_pixels: int = 128 * 32 * 32,
+    max_pixels: int = 32 * 32 * 768,
+) -> tuple[int, int]:
+    """Qwen3-VL's video resize rule: as `smart_resize`, but the bounds are on frames (rounded to the temporal
+    factor) x height x width, and a frame with a side under `factor` is first scaled up to reach it."""
+    if height < 1 or width < 1:
+        raise InvalidRequestError(f"has an empty size {width}x{height}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidRequestError(
+            f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds {MAX_ASPECT_RATIO} ({width}x{height})"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def resized_size(
     height: int, width: int, cfg: VisionPreprocessConfig, num_frames: int = 1
 ) -> tuple[int, int]:
@@ -204,6 +296,15 @@ def resized_size(
             )
         return height, width
     max_pixels = cfg.max_pixels
+    if cfg.modality == "video" and cfg.whole_clip:
+        # Qwen3VLVideoProcessor.resize (it refuses fewer frames than the temporal patch; they are padded here).
+        frames = max(num_frames, cfg.temporal_patch_size)
+        if cfg.cap_pixels_per_frame:
+            frame_cap = cfg.max_video_tokens * cfg.factor * cfg.factor
+            max_pixels = max(min(frame_cap, max_pixels // frames), int(cfg.min_pixels * 1.05)) * frames
+        return smart_resize_clip(
+            frames, height, width, cfg.temporal_patch_size, cfg.factor, cfg.min_pixels, max_pixels
+        )
     if cfg.modality == "video" and cfg.cap_pixels_per_frame:
         # Qwen2VLVideoProcessor.resize with cap_pixels_per_frame=True (qwen-vl-utils' rule).
         total_pixels = int(cfg.max_video_tokens * cfg.factor * cfg.factor * 0.9)
