@@ -1,6 +1,7 @@
 """Chooses the attention backend once at start-up: triton on CUDA; on the CPU the C decode kernel
 (`cpu`) where it compiles, else the torch reference (`torch`). `MMSERVE_ATTENTION_BACKEND=torch|cpu|triton`
-overrides. Triton is imported only when chosen."""
+overrides. Triton is imported only when chosen. `get_moe_backend` picks the MoE experts the same way
+(`MMSERVE_MOE_BACKEND=torch|triton`: triton on CUDA, the torch reference otherwise)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.kernels import cpu_attention, reference
+from mmserve.kernels import cpu_attention, moe, reference
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -62,3 +63,44 @@ def _triton_backend(device: torch.device) -> AttentionBackend:
             "environment before triton is first imported (the kernels then run in Triton's interpreter)"
         )
     return AttentionBackend("triton", triton_cache.store_kv_cache, triton_attention.paged_attention)
+
+
+MOE_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class MoEBackend:
+    name: str
+    fused_moe: Callable[..., torch.Tensor]
+
+
+def get_moe_backend(device: torch.device) -> MoEBackend:
+    name = os.environ.get("MMSERVE_MOE_BACKEND", "").strip().lower() or default_moe_backend(device)
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"MMSERVE_MOE_BACKEND={name!r} is not available; choose from {MOE_BACKENDS}")
+    if name == "triton":
+        return _triton_moe_backend(device)
+    return MoEBackend("torch", moe.fused_moe)
+
+
+def default_moe_backend(device: torch.device) -> str:
+    on_cuda = torch.device(device).type == "cuda"
+    return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
+
+
+def _triton_moe_backend(device: torch.device) -> MoEBackend:
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("MMSERVE_MOE_BACKEND=triton, but triton is not installed")
+    from mmserve.kernels import triton_moe
+
+    if not triton_moe.CONSISTENT:
+        raise ValueError(
+            "TRITON_INTERPRET changed between the first `import triton` and the import of mmserve's "
+            "triton kernels; set it (or not) before anything imports triton"
+        )
+    if torch.device(device).type != "cuda" and not triton_moe.INTERPRETED:
+        raise ValueError(
+            "MMSERVE_MOE_BACKEND=triton on a non-CUDA device needs TRITON_INTERPRET=1 in the environment "
+            "before triton is first imported (the kernels then run in Triton's interpreter)"
+        )
+    return MoEBackend("triton", triton_moe.fused_moe)
