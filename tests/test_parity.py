@@ -28,7 +28,7 @@ def hf_reference(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[i
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForCausalLM if config.model_type == "qwen2" else AutoModelForImageTextToText
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = []
     for prompt in prompts:

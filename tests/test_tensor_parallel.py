@@ -242,6 +242,32 @@ def test_gqa_past_the_kv_heads_an_odd_vocabulary_and_a_fused_layout(
         _same(fused_llm.generate(prompts, GREEDY), reference, expected)
 
 
+def test_qwen3_moe_families_equal_tp1_and_transformers(
+    tiny_model_dir: Callable[[str], Path], engines: Callable
+) -> None:
+    """Each rank holds a slice of every expert (and of the dense layers); the DeepStack levels travel with
+    the all-gathered embeddings in data mode and are computed by every rank in weights mode."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.test_qwen3_parity import GREEDY as QWEN3_GREEDY
+    from tests.test_qwen3_parity import MM_CASES, mm_reference
+
+    text_dir = tiny_model_dir("qwen3_moe")
+    prompts = random_prompts(PLAIN_TOKENS, (1, 9, 64, 133), seed=31)
+    expected = [tokens for tokens, _ in hf_reference(text_dir, prompts)]
+    _same(engines(text_dir, 2).generate(prompts, GREEDY), LLM(text_dir).generate(prompts, GREEDY), expected)
+    vl_dir = tiny_model_dir("qwen3_vl_moe")
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    tp1 = LLM(vl_dir)
+    cases = list(MM_CASES.values())
+    expected = [mm_reference(model, vl_dir, tp1, case)[0] for case in cases]
+    reference = tp1.generate(cases, QWEN3_GREEDY)
+    for settings in ({}, {"mm_encoder_tp_mode": "weights", "max_num_batched_tokens": 7}):
+        llm = engines(vl_dir, 2, **settings)
+        _same(llm.generate(cases, QWEN3_GREEDY), reference, expected)
+        _idle(llm)
+
+
 def test_a_model_that_cannot_split_is_refused_before_any_rank_starts(tiny_model_dir: Callable[[str], Path]) -> None:
     before = {p.pid for p in _rank_processes()}  # the module's shared engines
     with pytest.raises(ValueError, match="attention heads do not split over 3"):

