@@ -205,3 +205,225 @@ def test_video_grids_equal_qwen3_video_processor(qwen3_dir: Path, cap: bool) -> 
             expected = proc.get_num_of_video_patches(frames, h, w, {"cap_pixels_per_frame": cap})
             assert t * gh * gw == expected, (frames, h, w)
             assert t == -(-frames // 2)
+
+
+# ------------------------------------------------------------------------------ timestamped video prompts
+
+
+def _clip(num_frames: int, fps: int, size: tuple[int, int] = (96, 64)) -> bytes:
+    """An H.264 mp4 of `num_frames` frames at `fps` (frame i: grey 8 * i with a red band), made with PyAV."""
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        stream.options = {"crf": "0", "preset": "ultrafast"}
+        for i in range(num_frames):
+            rgb = np.full((size[1], size[0], 3), 8 * i % 256, np.uint8)
+            rgb[:4, :] = (255, 0, 0)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("num_frames", "source_fps", "sample_fps"), [(7, 4, 4.0), (6, 4, 4.0), (14, 8, 2.0), (12, 8, 2.0)])
+def test_timestamps_equal_calculate_timestamps(num_frames: int, source_fps: int, sample_fps: float) -> None:
+    """Real frame times of a decoded constant-rate clip, grouped, equal transformers' frame_index / fps rule;
+    odd and even sampled frame counts (the odd one pads by repeating the last frame)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from mmserve.encoders.media import MediaLimits, load_video
+    from mmserve.engine.mm_processor import frame_group_timestamps
+
+    video = load_video(_clip(num_frames, source_fps), MediaLimits(video_fps=sample_fps))
+    step = round(source_fps / sample_fps)
+    indices = list(range(0, num_frames, step))
+    assert video.num_frames == len(indices)
+    expected = Qwen3VLProcessor._calculate_timestamps(None, indices, float(source_fps), 2)  # type: ignore[arg-type]
+    got = frame_group_timestamps(video.timestamps_s, 2)
+    assert len(got) == -(-len(indices) // 2)
+    assert got == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def mm(qwen3_dir: Path, qwen3_model: torch.nn.Module):  # -> (MultiModalProcessor, tokenizer)
+    from transformers import AutoTokenizer
+
+    from mmserve.engine.mm_processor import MultiModalProcessor
+
+    tok = AutoTokenizer.from_pretrained(qwen3_dir)
+    proc = MultiModalProcessor(
+        qwen3_dir, qwen3_model.config, encode=lambda t: tok.encode(t, add_special_tokens=False), max_model_len=4096
+    )
+    yield proc, tok
+    proc.decoder.close()
+
+
+PROMPT = (
+    "<|im_start|>user\nLook <|vision_start|><|image_pad|><|vision_end|> then "
+    "<|vision_start|><|video_pad|><|vision_end|> and tell me.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _image():  # -> PIL.Image
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(5).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+
+
+def test_expansion_and_positions_equal_transformers(mm, qwen3_model: torch.nn.Module, qwen3_dir: Path) -> None:
+    """Text, an image, a 7-frame encoded video with timestamps and more text: our ids equal the tokenizer on
+    transformers' `replace_video_token` text (so a timestamp tokenized alone gives the ids it has in context),
+    and our M-RoPE positions equal `Qwen3VLModel.get_rope_index` with the whole video's grid."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    proc, tok = mm
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    out = proc.expand(ids, [_image()], [_clip(7, 2)])  # 7 frames at 2 fps: sampled whole, 4 groups
+    image_mm, *video_mms = out.mm_inputs
+    t = len(video_mms)
+    assert t == 4
+    (_, h, w) = video_mms[0].data.grid_thw  # type: ignore[attr-defined]
+    image_grid = image_mm.data.grid_thw  # type: ignore[attr-defined]
+
+    # Qwen3VLProcessor itself needs torchvision to be built; its method runs on the attributes it reads.
+    hf = SimpleNamespace(
+        video_processor=Qwen3VLVideoProcessor.from_pretrained(qwen3_dir),
+        video_token="<|video_pad|>", vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+        _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a),  # type: ignore[arg-type]
+    )  # fmt: skip
+    meta = SimpleNamespace(fps=2.0, frames_indices=list(range(7)))
+    grids = {"video_grid_thw": torch.tensor([[t, h, w]]), "video_metadata": [meta]}
+    video_text = Qwen3VLProcessor.replace_video_token(hf, grids, 0)  # type: ignore[arg-type]
+    assert "<0.2 seconds>" in video_text and "<3.0 seconds>" in video_text  # (0 + 0.5) / 2 ... (3 + 3) / 2
+    n_image = image_grid[1] * image_grid[2] // 4
+    text = PROMPT.replace("<|image_pad|>", "<|image_pad|>" * n_image).replace("<|video_pad|>", video_text)
+    assert out.token_ids == tok.encode(text, add_special_tokens=False)
+    # Each timestamp sits between special tokens: alone it tokenizes as in context.
+    start = tok.convert_tokens_to_ids("<|vision_start|>")
+    for stamp in ("<0.2 seconds>", "<3.0 seconds>", "<12.8 seconds>"):
+        alone = tok.encode(stamp, add_special_tokens=False)
+        assert tok.encode(f"<|vision_start|>{stamp}<|vision_start|>", add_special_tokens=False) == [start, *alone, start]
+
+    types = [1 if i == proc.image_token_id else 2 if i == proc.video_token_id else 0 for i in out.token_ids]
+    expected, delta = qwen3_model.model.get_rope_index(
+        torch.tensor([out.token_ids]),
+        torch.tensor([types]),
+        torch.tensor([image_grid]),
+        torch.tensor([[t, h, w]]),
+    )
+    assert torch.equal(out.mrope_positions, expected[:, 0])
+    assert out.mrope_delta == int(delta)
+
+
+def test_per_group_inputs(mm) -> None:
+    proc, tok = mm
+    ids = tok.encode("<|vision_start|><|video_pad|><|vision_end|>x<|vision_start|><|video_pad|><|vision_end|>")
+    clip = _clip(6, 2)
+    other = _clip(5, 2)
+    out = proc.expand(ids, [], [clip, other])
+    first, second = out.mm_inputs[:3], out.mm_inputs[3:]
+    assert (len(first), len(second)) == (3, 3)
+    for item in out.mm_inputs:
+        assert (item.modality, item.num_groups) == ("video", 1)
+        start, end = item.group_range(0)
+        assert set(out.token_ids[start:end]) == {proc.video_token_id}
+        assert out.token_ids[start - 1] == proc.vision_start_id and out.token_ids[end] == proc.vision_end_id
+        data = item.data
+        _, h, w = data.grid_thw  # type: ignore[attr-defined]
+        assert data.grid_thw[0] == 1 and data.pixel_values.shape[0] == h * w  # type: ignore[attr-defined]
+        assert data.pixel_values._base is not None  # type: ignore[attr-defined]  # a view of the video's rows
+    assert sum(m.placeholder.length for m in out.mm_inputs) == out.token_ids.count(proc.video_token_id)
+    hashes = [m.mm_hash for m in out.mm_inputs]
+    assert len(set(hashes)) == 6  # distinct per group and per video
+    digest = hashes[0].rsplit("-", 1)[0]
+    assert hashes[:3] == [f"{digest}-{g}" for g in range(3)]
+    again = proc.expand(ids, [], [clip, other])
+    assert [m.mm_hash for m in again.mm_inputs] == hashes  # the same video: the same hashes
+    # Rows of the groups, in order, are the whole video's rows.
+    from mmserve.encoders.media import load_video
+    from mmserve.encoders.preprocess import preprocess_video
+
+    whole = preprocess_video(load_video(clip, proc.video_limits).frames, proc.video_config)
+    assert torch.equal(torch.cat([m.data.pixel_values for m in first]), whole.pixel_values)  # type: ignore[attr-defined]
+
+
+def test_checkpoint_sampling_settings_apply(mm) -> None:
+    proc, _ = mm
+    assert proc.video_limits.video_fps == proc.video_config.fps == 2.0
+    assert proc.video_limits.max_video_frames == min(768, proc.video_config.max_frames or 768)
+
+
+# ------------------------------------------------------------------------------ videos that fit (all families)
+
+
+def _hub_like_qwen2_vl(tmp_path: Path) -> Path:
+    """A Qwen2-VL checkpoint as on the hub: preprocessor_config.json only, with the image bounds of
+    Qwen2-VL-2B (3136 .. 12845056 pixels)."""
+    import json
+
+    model_dir = make_tiny_model(tmp_path / "qwen2_vl", arch="qwen2_vl", preset="tiny")
+    (model_dir / "video_preprocessor_config.json").unlink()
+    cfg = json.loads((model_dir / "preprocessor_config.json").read_text())
+    cfg.update(min_pixels=3136, max_pixels=12845056, size={"shortest_edge": 3136, "longest_edge": 12845056})
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(cfg))
+    return model_dir
+
+
+def test_family_video_defaults_fit(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from mmserve.encoders.preprocess import (
+        load_preprocess_config,
+        load_preprocess_configs,
+        num_embeds,
+        video_grid_thw,
+    )
+    from mmserve.engine.mm_processor import MultiModalProcessor
+
+    model_dir = _hub_like_qwen2_vl(tmp_path)
+    as_image = load_preprocess_config(model_dir, "video")  # transformers' fallback: the image file
+    _, video = load_preprocess_configs(model_dir, "qwen2_vl")
+    assert video.cap_pixels_per_frame and (video.min_pixels, video.max_pixels) == (128 * 28 * 28, 768 * 28 * 28)
+    # A 30 s 720p clip sampled at 2 fps.
+    image_bounds = num_embeds(video_grid_thw(60, 720, 1280, as_image), 2)
+    family = num_embeds(video_grid_thw(60, 720, 1280, video), 2)
+    assert image_bounds > 32768 > family and family < 0.65 * image_bounds, (image_bounds, family)  # 35880 vs 21600
+    # qwen-vl-utils' fetch_video budget: max(min(VIDEO_MAX_PIXELS, total / nframes * 2), min_pixels * 1.05)
+    for frames in (8, 60, 600):
+        budget = max(min(768 * 28 * 28, int(128000 * 28 * 28 * 0.9) * 2 // frames), int(128 * 28 * 28 * 1.05))
+        _, gh, gw = video_grid_thw(frames, 720, 1280, video)
+        assert gh * gw * 14 * 14 <= budget
+
+    proc = MultiModalProcessor(model_dir, AutoConfig.from_pretrained(model_dir), max_model_len=32768)
+    assert proc.video_config == video and not proc.timestamped_videos
+    proc.decoder.close()
+
+
+def test_video_over_the_context_is_refused_before_preprocessing(mm, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    import mmserve.engine.mm_processor as mod
+    from mmserve.errors import PromptTooLongError
+
+    proc, tok = mm
+    ids = tok.encode("<|vision_start|><|video_pad|><|vision_end|>")
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("preprocessed a video that cannot fit")
+
+    monkeypatch.setattr(mod, "preprocess_video", never)
+    monkeypatch.setattr(proc, "max_model_len", 64)
+    frames = np.zeros((16, 256, 256, 3), np.uint8)
+    with pytest.raises(PromptTooLongError, match=r"video 0: its \d+ tokens"):
+        proc.expand(ids, [], [frames])

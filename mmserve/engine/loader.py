@@ -46,7 +46,13 @@ def load_frontend(
     model_config, hf_config = DecoderConfig.from_pretrained(args.model)
     mm_processor = None
     if getattr(hf_config, "vision_config", None) is not None:
-        mm_processor = MultiModalProcessor(args.model, hf_config, media_limits or DEFAULT_LIMITS)
+        mm_processor = MultiModalProcessor(
+            args.model,
+            hf_config,
+            media_limits or DEFAULT_LIMITS,
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            max_model_len=max_model_len,
+        )
     processor = Processor(
         tokenizer, model_config.vocab_size, max_model_len, model_config.eos_token_ids, mm_processor
     )
