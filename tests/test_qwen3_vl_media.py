@@ -139,6 +139,25 @@ def test_tiny_checkpoint_configs_parse(qwen3_dir: Path) -> None:
     assert (video.min_pixels, video.max_pixels) == (8192, 262144)
 
 
+def test_qwen3_video_settings_use_its_rule_whatever_the_file_says(qwen3_dir: Path, tmp_path: Path) -> None:
+    """The 5.x nested layout may omit `video_processor_type`; Qwen3-VL's processor still is Qwen3VLVideoProcessor."""
+    import json
+    import shutil
+
+    from mmserve.encoders.preprocess import load_preprocess_configs
+
+    shutil.copy(qwen3_dir / "preprocessor_config.json", tmp_path)
+    video = {"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "patch_size": 16, "fps": 2}
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": video}))
+    _, parsed = load_preprocess_configs(tmp_path, "qwen3_vl")
+    assert parsed.whole_clip and (parsed.min_pixels, parsed.max_pixels) == (4096, 25165824)
+    _, as_qwen2 = load_preprocess_configs(tmp_path)  # no model type: the file alone (no type: Qwen2's rule)
+    assert not as_qwen2.whole_clip
+    (tmp_path / "processor_config.json").unlink()  # no video settings at all: Qwen3VLVideoProcessor's defaults
+    _, default = load_preprocess_configs(tmp_path, "qwen3_vl")
+    assert default.whole_clip and (default.min_pixels, default.max_pixels, default.fps) == (128 * 1024, 768 * 1024, 2.0)
+
+
 def test_image_equals_transformers(qwen3_dir: Path) -> None:
     import numpy as np
     from PIL import Image

@@ -1,6 +1,7 @@
-"""M-RoPE positions of a media prompt, equal to transformers' `get_rope_index` for Qwen2-VL and
-Qwen2.5-VL: text runs count up by one; a media item's tokens take (t, h, w) grid positions from
-where the text stopped; decoding continues from the largest position used plus one."""
+"""M-RoPE positions of a media prompt, equal to transformers' `get_rope_index` for Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL: text runs count up by one; a media item's tokens take (t, h, w) grid positions
+from where the text stopped; decoding continues from the largest position used plus one. (Qwen3-VL
+splits a video into one span per temporal group, grid (1, h, w), with its timestamp text between.)"""
 
 from __future__ import annotations
 

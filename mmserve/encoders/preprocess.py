@@ -114,8 +114,11 @@ class ProcessedVideo:
 # ------------------------------------------------------------------------------------------------ config
 
 
-def load_preprocess_config(model_dir: str | Path, modality: Modality) -> VisionPreprocessConfig:
-    """The image or video settings of the checkpoint at `model_dir`."""
+def load_preprocess_config(
+    model_dir: str | Path, modality: Modality, video_processor_type: str | None = None
+) -> VisionPreprocessConfig:
+    """The image or video settings of the checkpoint at `model_dir`. `video_processor_type`: the class the
+    model's processor uses whatever the file says (Qwen3-VL: always Qwen3VLVideoProcessor)."""
     model_dir = Path(model_dir)
     raw: Mapping[str, Any] | None = None
     nested = model_dir / "processor_config.json"
@@ -126,6 +129,8 @@ def load_preprocess_config(model_dir: str | Path, modality: Modality) -> VisionP
             raw = json.loads((model_dir / name).read_text(encoding="utf-8"))
     if raw is None:
         raise FileNotFoundError(f"{model_dir} has no {' or '.join(_CONFIG_FILES[modality])}")
+    if modality == "video" and video_processor_type is not None:
+        raw = {**raw, "video_processor_type": video_processor_type}
     return config_from_dict(raw, modality)
 
 
@@ -138,7 +143,8 @@ def load_preprocess_configs(
     image = load_preprocess_config(model_dir, "image")
     if model_type is not None and not has_video_config(model_dir):
         return image, family_video_config(image, model_type)
-    return image, load_preprocess_config(model_dir, "video")
+    video_type = QWEN3_VIDEO_PROCESSOR if model_type in ("qwen3_vl", "qwen3_vl_moe") else None
+    return image, load_preprocess_config(model_dir, "video", video_type)
 
 
 def config_from_dict(raw: Mapping[str, Any], modality: Modality) -> VisionPreprocessConfig:
