@@ -125,7 +125,7 @@ VIDEO_CASES: dict[str, dict] = {
         "videos": [rng_video(6, 4)],
     },
 }
-MM_CASES: dict[str, dict] = {**IMAGE_CASES}  # VIDEO-PENDING: + VIDEO_CASES once timestamps land
+MM_CASES: dict[str, dict] = {**IMAGE_CASES, **VIDEO_CASES}
 
 
 def mm_reference(model: torch.nn.Module, model_dir: Path, llm: LLM, case: dict) -> tuple[list[int], list[float]]:
@@ -183,14 +183,12 @@ def test_mm_token_budget_smaller_than_one_image(mm_case: tuple) -> None:
 def test_mm_preemption(mm_case: tuple) -> None:
     model_dir, expected = mm_case
     llm = LLM(model_dir, num_kv_blocks=8, block_size=16, max_num_batched_tokens=32)
-    check_mm(llm, [n for n in ("image_odd", "video_even", "two_images", "image_and_video") if n in MM_CASES], expected)
+    check_mm(llm, ["image_odd", "video_even", "two_images", "image_and_video"], expected)
     assert llm.stats().num_preemptions > 0
 
 
 def test_mm_encoder_budget_of_one_temporal_group(mm_case: tuple) -> None:
     model_dir, expected = mm_case
-    if "video_even" not in MM_CASES:
-        pytest.skip("VIDEO-PENDING")
     llm = LLM(model_dir, max_num_encoder_tokens=4)  # a 64x64 frame group is 4 tokens
     check_mm(llm, ["video_even", "text"], expected)
     encoded = [s.num_encoder_tokens for s in llm.step_records if s.num_encoder_tokens]
