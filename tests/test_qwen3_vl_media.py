@@ -446,3 +446,76 @@ def test_video_over_the_context_is_refused_before_preprocessing(mm, monkeypatch:
     frames = np.zeros((16, 256, 256, 3), np.uint8)
     with pytest.raises(PromptTooLongError, match=r"video 0: its \d+ tokens"):
         proc.expand(ids, [], [frames])
+
+
+class _PlanningPool:
+    """A decode pool that plans (frame count and size before decoding) and resizes while decoding, as the
+    decode pool's `plan_video` / `load_video(resize_to=...)`; built on `media.load_video` here."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def plan_video(self, source: object, limits: object, *, item: str, param: str | None = None) -> object:
+        from types import SimpleNamespace
+
+        from mmserve.encoders.media import load_video
+
+        self.calls.append("plan")
+        v = load_video(source, limits, item=item, param=param)  # type: ignore[arg-type]
+        t, h, w, _ = v.frames.shape
+        return SimpleNamespace(width=w, height=h, num_frames=t, fps=v.fps, timestamps_s=None)
+
+    def load_video(
+        self, source: object, limits: object, *, item: str, param: str | None = None,
+        resize_to: tuple[int, int] | None = None, resample: int = 3,
+    ) -> object:  # fmt: skip
+        import numpy as np
+        from PIL import Image
+
+        from mmserve.encoders.media import DecodedVideo, load_video
+
+        self.calls.append(f"load {resize_to}")
+        v = load_video(source, limits, item=item, param=param)  # type: ignore[arg-type]
+        if resize_to is None:
+            return v
+        h, w = resize_to
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), resample=resample)) for f in v.frames])
+        return DecodedVideo(frames, v.fps, v.source_fps, v.duration_s, v.timestamps_s)
+
+    def load_image(self, source: object, limits: object, *, item: str, param: str | None = None) -> object:
+        from mmserve.encoders.media import load_image
+
+        return load_image(source, limits, item=item, param=param)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        pass
+
+
+def test_planned_decoding_gives_the_same_prompt_and_refuses_before_decoding(
+    mm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a pool that plans, the video is sized from its headers, decoded already resized, and gives the
+    prompt of decoding it whole; one over the context is refused with no frame decoded."""
+    from mmserve.errors import PromptTooLongError
+
+    proc, tok = mm
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    clip = _clip(7, 2, size=(320, 200))  # large enough to be resized
+    whole = proc.expand(ids, [_image()], [clip])
+    pool = _PlanningPool()
+    monkeypatch.setattr(proc, "decoder", pool)
+    assert proc._can_plan
+    planned = proc.expand(ids, [_image()], [clip])
+    (_, h, w) = whole.mm_inputs[1].data.grid_thw  # type: ignore[attr-defined]
+    size = (h * 16, w * 16)
+    assert size != (200, 320) and pool.calls == ["plan", f"load {size}"]
+    assert planned.token_ids == whole.token_ids
+    assert torch.equal(planned.mrope_positions, whole.mrope_positions)
+    for a, b in zip(planned.mm_inputs, whole.mm_inputs, strict=True):
+        assert a.placeholder == b.placeholder
+        assert torch.equal(a.data.pixel_values, b.data.pixel_values)  # type: ignore[attr-defined]
+    pool.calls.clear()
+    monkeypatch.setattr(proc, "max_model_len", len(whole.token_ids) - 1)
+    with pytest.raises(PromptTooLongError, match=r"video 0: its \d+ tokens"):
+        proc.expand(ids, [_image()], [clip])
+    assert pool.calls == ["plan"]  # nothing decoded

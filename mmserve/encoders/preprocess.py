@@ -359,17 +359,24 @@ def preprocess_image(img: Image.Image, cfg: VisionPreprocessConfig, *, item: str
 
 
 def preprocess_video(
-    frames: np.ndarray, cfg: VisionPreprocessConfig, *, item: str = "video"
+    frames: np.ndarray,
+    cfg: VisionPreprocessConfig,
+    *,
+    item: str = "video",
+    size: tuple[int, int] | None = None,
 ) -> ProcessedVideo:
     """The image processing applied to each frame of `frames` [T, H, W, 3] uint8, the frame count padded to
-    a multiple of the temporal patch by repeating the last frame, patches grouped by temporal patch."""
+    a multiple of the temporal patch by repeating the last frame, patches grouped by temporal patch.
+
+    `size`: the (height, width) `resized_size` gave for the source's own frame size, when the frames were
+    resized to it already (while decoding); they are then not resized again."""
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
         raise InvalidRequestError(
             f"{item}: frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}"
         )
     t, height, width, _ = frames.shape
     try:
-        h, w = resized_size(height, width, cfg, num_frames=t)
+        h, w = resized_size(height, width, cfg, num_frames=t) if size is None else size
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{item}: {exc}") from exc
     if (h, w) != (height, width):

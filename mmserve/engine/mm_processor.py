@@ -12,6 +12,7 @@ Knows the checkpoint's placeholder tokens and preprocessing; knows nothing of sc
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from mmserve.encoders.preprocess import (
     num_embeds,
     preprocess_image,
     preprocess_video,
-    video_grid_thw,
+    resized_size,
 )
 from mmserve.encoders.vision import EncoderInput
 from mmserve.errors import InvalidRequestError, PromptTooLongError
@@ -155,25 +156,55 @@ class MultiModalProcessor:
     ) -> tuple[list[int], list[tuple[MultiModalInput, MediaSpan]]]:
         """The video's prompt tokens (its placeholder expanded) and its inputs with their spans. `others`:
         prompt tokens besides this video's."""
+        cfg = self.video_config
         limits = self.limits if isinstance(source, np.ndarray) else self.video_limits  # arrays: as given
-        video = self.decoder.load_video(source, limits, item=item, param="videos")
-        # Its size in tokens before any resizing or patchifying: refused here if it cannot fit.
-        try:
-            grid = video_grid_thw(video.num_frames, *video.frames.shape[1:3], self.video_config)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(f"{item}: {exc}", param="videos") from exc
+        if self._can_plan:
+            # From the container's headers: the frames' count and size, so the token count and the resized
+            # size are known before any frame is decoded; each frame is resized right after its decoding.
+            plan = self.decoder.plan_video(source, limits, item=item, param="videos")  # type: ignore[attr-defined]
+            size = self._resized(item, plan.num_frames, plan.height, plan.width)
+            times = plan.timestamps_s or tuple(k / plan.fps for k in range(plan.num_frames))  # nominal
+            self._check_fits(item, self._length(plan.num_frames, size, times), others)
+            video = self.decoder.load_video(
+                source, limits, item=item, param="videos", resize_to=size, resample=cfg.resample
+            )  # type: ignore[call-arg]
+        else:  # the decode pool cannot plan: decoded whole, checked before it is preprocessed
+            video = self.decoder.load_video(source, limits, item=item, param="videos")
+            size = self._resized(item, video.num_frames, *video.frames.shape[1:3])
+            self._check_fits(item, self._length(video.num_frames, size, video.timestamps_s), others)
+        if video.frames.shape[1:3] != size:
+            size = None  # not resized while decoding (e.g. an array): preprocessing resizes
+        processed = preprocess_video(video.frames, cfg, item=item, size=size)
         if self.timestamped_videos:
-            stamps = frame_group_timestamps(video.timestamps_s, self.video_config.temporal_patch_size)
+            stamps = frame_group_timestamps(video.timestamps_s, cfg.temporal_patch_size)
             stamp_ids = [self.encode(f"<{t:.1f} seconds>") for t in stamps]
-            length = num_embeds(grid, self.merge_size) + sum(len(ids) + 2 for ids in stamp_ids)
-        else:
-            length = num_embeds(grid, self.merge_size)
-        self._check_fits(item, length, others)
-        processed = preprocess_video(video.frames, self.video_config, item=item)
-        if self.timestamped_videos:
             return self._timestamped_video(video.frames, video.fps, processed, stamp_ids, offset)
         mm, span = self._whole_video(video.frames, video.fps, processed, offset)
         return [self.video_token_id] * mm.placeholder.length, [(mm, span)]
+
+    @property
+    def _can_plan(self) -> bool:
+        """Whether the decode pool says a video's frame count and size before decoding it, and resizes
+        frames while decoding (`plan_video`, `load_video(resize_to=...)`)."""
+        load = getattr(self.decoder, "load_video", None)
+        return hasattr(self.decoder, "plan_video") and "resize_to" in inspect.signature(load).parameters
+
+    def _resized(self, item: str, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        try:
+            return resized_size(height, width, self.video_config, num_frames)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{item}: {exc}", param="videos") from exc
+
+    def _length(self, num_frames: int, size: tuple[int, int], times: Sequence[float]) -> int:
+        """Prompt tokens of a video of `num_frames` frames resized to `size`: its embeddings, and for
+        Qwen3-VL each group's timestamp text and vision start / end tokens."""
+        cfg = self.video_config
+        grid = (-(-num_frames // cfg.temporal_patch_size), size[0] // cfg.patch_size, size[1] // cfg.patch_size)
+        length = num_embeds(grid, self.merge_size)
+        if self.timestamped_videos:
+            stamps = frame_group_timestamps(times, cfg.temporal_patch_size)
+            length += sum(len(self.encode(f"<{t:.1f} seconds>")) + 2 for t in stamps)
+        return length
 
     def _check_fits(self, item: str, length: int, others: int) -> None:
         if self.max_model_len is not None and others + length >= self.max_model_len:
