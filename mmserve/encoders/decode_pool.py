@@ -29,7 +29,16 @@ import numpy as np
 from PIL import Image
 
 import mmserve
-from mmserve.encoders.media import DecodedVideo, MediaLimits, encoded_source, load_image, load_video
+from mmserve.encoders.media import (
+    DecodedVideo,
+    MediaLimits,
+    VideoPlan,
+    check_resize,
+    encoded_source,
+    load_image,
+    load_video,
+    plan_video,
+)
 from mmserve.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -94,8 +103,8 @@ class _Failed(Exception):
 
 
 class DecodePool:
-    """Thread-safe: `load_image` / `load_video` / `probe_*` block the calling thread (run them off the
-    event loop) and at most `workers` items decode at once; the others wait for a free worker."""
+    """Thread-safe: `load_image` / `load_video` / `plan_video` / `probe_*` block the calling thread (run
+    them off the event loop) and at most `workers` items decode at once; the others wait for a free worker."""
 
     def __init__(self, workers: int = 2, timeout_s: float = 30.0, memory_mib: int = 4096) -> None:
         if workers < 1 or not (timeout_s > 0 and math.isfinite(timeout_s)) or memory_mib < 1:
@@ -188,13 +197,22 @@ class DecodePool:
         item: str = "video",
         param: str | None = None,
         array_fps: float | None = None,
+        resize_to: tuple[int, int] | None = None,
+        resample: int = 3,
     ) -> DecodedVideo:
-        """`media.load_video` in a worker: the same frames and timing. A uint8 array is checked here
-        (there is nothing to decode)."""
+        """`media.load_video` in a worker: the same frames and timing, resized there when `resize_to` =
+        (height, width) is given (only frames of that size cross the connection). A uint8 array is checked
+        here (there is nothing to decode)."""
+        check_resize(resize_to, resample)
         if isinstance(source, np.ndarray):
-            return load_video(source, limits, item=item, param=param, array_fps=array_fps)
+            return load_video(
+                source, limits, item=item, param=param, array_fps=array_fps, resize_to=resize_to,
+                resample=resample,
+            )  # fmt: skip
         encoded = encoded_source(source, "video", limits, item=item, param=param)  # type: ignore[arg-type]
-        header, frames = self._run("video", encoded, limits, item, param)
+        resize = None if resize_to is None else [int(resize_to[0]), int(resize_to[1])]
+        extra = {"resize_to": resize, "resample": int(resample)}
+        header, frames = self._run("video", encoded, limits, item, param, extra)
         assert frames is not None
         return DecodedVideo(
             frames=frames,
@@ -202,6 +220,30 @@ class DecodePool:
             source_fps=_float(header, "source_fps"),
             duration_s=_float(header, "duration_s"),
             timestamps_s=tuple(float(t) for t in header["timestamps_s"]),
+        )
+
+    def plan_video(
+        self,
+        source: object,
+        limits: MediaLimits,
+        *,
+        item: str = "video",
+        param: str | None = None,
+        array_fps: float | None = None,
+    ) -> VideoPlan:
+        """`media.plan_video` in a worker (the container is parsed there, never here): what `load_video`
+        will return, before any frame is decoded. A uint8 array is planned here from its shape."""
+        if isinstance(source, np.ndarray):
+            return plan_video(source, limits, item=item, param=param, array_fps=array_fps)
+        encoded = encoded_source(source, "video", limits, item=item, param=param)  # type: ignore[arg-type]
+        header, _ = self._run("plan_video", encoded, limits, item, param)
+        return VideoPlan(
+            width=header["width"],
+            height=header["height"],
+            num_frames=header["num_frames"],
+            fps=_float(header, "fps"),
+            source_fps=_float(header, "source_fps"),
+            duration_s=_float(header, "duration_s"),
         )
 
     def probe_image(
@@ -225,13 +267,20 @@ class DecodePool:
 
     # -- internals ------------------------------------------------------------------------------------
     def _run(
-        self, op: str, encoded: bytes | Path, limits: MediaLimits, item: str, param: str | None
+        self,
+        op: str,
+        encoded: bytes | Path,
+        limits: MediaLimits,
+        item: str,
+        param: str | None,
+        extra: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], np.ndarray | None]:
-        """One job on one worker -> (reply header, pixels for image / video ops). A worker that dies while
-        idle (e.g. killed from outside) costs one retry on a fresh worker, never the item."""
+        """One job on one worker -> (reply header, pixels for image / video ops). `extra`: more job fields
+        (a video's resize_to and resample). A worker that dies while idle (e.g. killed from outside) costs
+        one retry on a fresh worker, never the item."""
         job = {
             "op": op, "limits": asdict(limits), "item": item,
-            "path": str(encoded) if isinstance(encoded, Path) else None,
+            "path": str(encoded) if isinstance(encoded, Path) else None, **(extra or {}),
         }  # fmt: skip
         payload = b"" if isinstance(encoded, Path) else encoded
         for attempt in range(2):
@@ -245,7 +294,7 @@ class DecodePool:
                     continue
                 raise self._error(item, param, "crash", worker) from None
             try:
-                header, pixels = self._receive(worker, op, limits)
+                header, pixels = self._receive(worker, op, limits, job.get("resize_to"))
             except _Failed as failed:
                 self._retire(worker, failed.reason)
                 raise self._error(item, param, failed.reason, worker) from None
@@ -264,7 +313,7 @@ class DecodePool:
         raise AssertionError("unreachable")
 
     def _receive(
-        self, worker: _Worker, op: str, limits: MediaLimits
+        self, worker: _Worker, op: str, limits: MediaLimits, resize_to: list[int] | None = None
     ) -> tuple[dict[str, Any], np.ndarray | None]:
         """The worker's reply within the item's time limit. Raises `_Failed`."""
         deadline = time.monotonic() + self.timeout_s
@@ -274,10 +323,10 @@ class DecodePool:
             header = json.loads(worker.conn.recv_bytes(_MAX_REPLY_HEADER))
             if not isinstance(header, dict) or header.get("status") not in ("ok", "invalid", "oom", "failed"):
                 raise _Failed("failed")
-            if header["status"] != "ok" or op.startswith("probe_"):
-                _check_shape(header, op, limits)
+            if header["status"] != "ok" or op.startswith(("probe_", "plan_")):
+                _check_shape(header, op, limits, resize_to)
                 return header, None
-            shape = _check_shape(header, op, limits)
+            shape = _check_shape(header, op, limits, resize_to)
             pixels = np.empty(shape, dtype=np.uint8)  # [H, W, 3] or [T, H, W, 3]
             if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
                 raise _Failed("timeout")
@@ -385,10 +434,25 @@ class DecodePool:
         return worker
 
 
-def _check_shape(header: dict[str, Any], op: str, limits: MediaLimits) -> tuple[int, ...]:
+def _check_shape(
+    header: dict[str, Any], op: str, limits: MediaLimits, resize_to: list[int] | None = None
+) -> tuple[int, ...]:
     """The reply's pixel shape, refused unless it is within the item's caps (so a confused worker cannot
-    make this process allocate without bound)."""
+    make this process allocate without bound); a resized video's frames must be exactly `resize_to`
+    ([height, width]). A plan has no pixels: its counts are checked against the same caps."""
     if header.get("status") != "ok":
+        return ()
+    if op == "plan_video":
+        ints = [header.get(k) for k in ("width", "height", "num_frames")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ints):
+            raise _Failed("failed")
+        width, height, num_frames = ints
+        if num_frames > limits.max_video_frames or width * height > limits.max_video_pixels_per_frame:
+            raise _Failed("failed")
+        for key in ("fps", "source_fps", "duration_s"):
+            value = header.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise _Failed("failed")
         return ()
     shape = header.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
@@ -400,7 +464,11 @@ def _check_shape(header: dict[str, Any], op: str, limits: MediaLimits) -> tuple[
         len(shape) != 4
         or shape[3] != 3
         or shape[0] > limits.max_video_frames
-        or shape[1] * shape[2] > limits.max_video_pixels_per_frame
+        or (
+            shape[1] * shape[2] > limits.max_video_pixels_per_frame
+            if resize_to is None
+            else shape[1:3] != list(resize_to)
+        )
         or len(header.get("timestamps_s", ())) != shape[0]
     ):
         raise _Failed("failed")

@@ -22,7 +22,7 @@ from typing import Any
 import av
 import numpy as np
 
-from mmserve.encoders.media import MediaLimits, load_image, load_video
+from mmserve.encoders.media import MediaLimits, load_image, load_video, plan_video
 from mmserve.errors import InvalidRequestError
 
 # Test hook, read only here: with this variable set to 1, a payload containing one of these markers makes
@@ -65,11 +65,14 @@ def main(argv: list[str]) -> int:
         except Exception:
             _reply(conn, {"status": "failed"})  # a decoder error media.py did not wrap; its text stays here
             continue
-        _reply(conn, {"status": "ok", **header}, pixels)
+        # The worker's peak resident size so far (KiB on Linux): what decoding costs, for diagnostics.
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        _reply(conn, {"status": "ok", **header, "max_rss_kib": peak}, pixels)
 
 
 def _decode(job: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], np.ndarray | None]:
-    """-> (reply header, pixels to send or None). `job`: op, limits, item, path (or the payload bytes)."""
+    """-> (reply header, pixels to send or None). `job`: op, limits, item, path (or the payload bytes),
+    and for a video resize_to ([height, width] or null) and resample."""
     names = {f.name for f in fields(MediaLimits)}
     limits = MediaLimits(**{k: v for k, v in job["limits"].items() if k in names})
     source: bytes | Path = Path(job["path"]) if job.get("path") else payload
@@ -78,8 +81,17 @@ def _decode(job: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], np.nda
         rgb = np.asarray(load_image(source, limits, item=item))  # [H, W, 3] uint8
         header = {"shape": list(rgb.shape)}
         return header, (np.ascontiguousarray(rgb) if op == "image" else None)
+    if op == "plan_video":
+        plan = plan_video(source, limits, item=item)
+        header = {
+            "width": plan.width, "height": plan.height, "num_frames": plan.num_frames, "fps": plan.fps,
+            "source_fps": plan.source_fps, "duration_s": plan.duration_s,
+        }  # fmt: skip
+        return header, None
     if op in ("video", "probe_video"):
-        video = load_video(source, limits, item=item)
+        resize_to = job.get("resize_to")
+        resize = (int(resize_to[0]), int(resize_to[1])) if resize_to else None
+        video = load_video(source, limits, item=item, resize_to=resize, resample=int(job.get("resample", 3)))
         header = {
             "shape": list(video.frames.shape),  # [T, H, W, 3]
             "fps": video.fps, "source_fps": video.source_fps, "duration_s": video.duration_s,
