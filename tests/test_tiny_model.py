@@ -174,3 +174,6 @@ def test_bench_parameter_count(arch: str, low: float, high: float) -> None:
     with torch.device("meta"):  # shapes only: no memory, no init time
         model = model_class(arch)(build_config(arch, "bench", ids, vocab_size=8192))
     assert low <= sum(t.numel() for t in model.parameters()) <= high
+    if arch == "qwen3_vl_moe":  # the bench MoE is one where the experts dominate the weights
+        experts = sum(t.numel() for n, t in model.named_parameters() if ".experts." in n)
+        assert experts > 0.5 * sum(t.numel() for t in model.parameters())
