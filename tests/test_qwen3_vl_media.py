@@ -519,3 +519,44 @@ def test_planned_decoding_gives_the_same_prompt_and_refuses_before_decoding(
     with pytest.raises(PromptTooLongError, match=r"video 0: its \d+ tokens"):
         proc.expand(ids, [_image()], [clip])
     assert pool.calls == ["plan"]  # nothing decoded
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24])
+def test_generation_equals_transformers(
+    qwen3_dir: Path, qwen3_model: torch.nn.Module, max_num_batched_tokens: int
+) -> None:
+    """An image and a timestamped video through the whole engine (per-group inputs, the encoder cache,
+    DeepStack in the decoder; 24: chunked prefill, groups encoded as their chunks arrive) give the greedy
+    tokens of transformers' generate on the same ids and pixels."""
+    from mmserve.encoders.media import load_video
+    from mmserve.encoders.preprocess import load_preprocess_configs, preprocess_image, preprocess_video
+    from mmserve.engine.llm import LLM
+    from mmserve.request import SamplingParams
+
+    clip, image = _clip(7, 2), _image()
+    llm = LLM(qwen3_dir, device="cpu", dtype="float32", max_num_batched_tokens=max_num_batched_tokens)
+    try:
+        prompt = {"prompt": PROMPT, "images": [image], "videos": [clip]}
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        ours = llm.generate(prompt, params)[0].token_ids
+        request, _ = llm.processor.process(prompt, params, "ref")
+        limits = llm.processor.mm_processor.video_limits  # type: ignore[union-attr]
+    finally:
+        llm.close()
+    image_cfg, video_cfg = load_preprocess_configs(qwen3_dir, "qwen3_vl")
+    img = preprocess_image(image, image_cfg)
+    vid = preprocess_video(load_video(clip, limits).frames, video_cfg)
+    cfg = qwen3_model.config
+    ids = torch.tensor([request.prompt_token_ids])
+    types = [1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id else 0 for t in request.prompt_token_ids]
+    with torch.inference_mode():
+        out = qwen3_model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=torch.tensor([types]),
+            pixel_values=img.pixel_values, image_grid_thw=torch.tensor([img.grid_thw]),
+            pixel_values_videos=vid.pixel_values, video_grid_thw=torch.tensor([vid.grid_thw]),
+            max_new_tokens=8, min_new_tokens=8, do_sample=False,
+        )  # fmt: skip
+    assert list(ours) == out[0, ids.shape[1] :].tolist()
