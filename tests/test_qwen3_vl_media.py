@@ -463,7 +463,7 @@ class _PlanningPool:
         self.calls.append("plan")
         v = load_video(source, limits, item=item, param=param)  # type: ignore[arg-type]
         t, h, w, _ = v.frames.shape
-        return SimpleNamespace(width=w, height=h, num_frames=t, fps=v.fps, timestamps_s=None)
+        return SimpleNamespace(width=w, height=h, num_frames=t, fps=v.fps, duration_s=v.duration_s, timestamps_s=None)
 
     def load_video(
         self, source: object, limits: object, *, item: str, param: str | None = None,
@@ -560,3 +560,16 @@ def test_generation_equals_transformers(
             max_new_tokens=8, min_new_tokens=8, do_sample=False,
         )  # fmt: skip
     assert list(ours) == out[0, ids.shape[1] :].tolist()
+
+
+def test_planned_short_clip_gets_min_frames(mm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3VLVideoProcessor samples at least min_frames (4): a 1 s clip at 8 fps gives 4 frames, not 2."""
+    proc, tok = mm
+    ids = tok.encode("<|vision_start|><|video_pad|><|vision_end|>")
+    pool = _PlanningPool()
+    monkeypatch.setattr(proc, "decoder", pool)
+    out = proc.expand(ids, [], [_clip(8, 8)])
+    assert pool.calls[:2] == ["plan", "plan"] and len(out.mm_inputs) == 2  # 4 frames, 2 groups
+    pool.calls.clear()
+    four = proc.expand(ids, [], [_clip(16, 8)])  # 2 s at 2 fps: 4 frames already, planned once
+    assert len(four.mm_inputs) == 2 and pool.calls.count("plan") == 1

@@ -162,6 +162,13 @@ class MultiModalProcessor:
             # From the container's headers: the frames' count and size, so the token count and the resized
             # size are known before any frame is decoded; each frame is resized right after its decoding.
             plan = self.decoder.plan_video(source, limits, item=item, param="videos")  # type: ignore[attr-defined]
+            few = cfg.min_frames is not None and plan.num_frames < cfg.min_frames
+            if self.timestamped_videos and few and plan.duration_s > 0 and not isinstance(source, np.ndarray):
+                # Qwen3VLVideoProcessor samples at least min_frames (never more than the source has): a
+                # short clip is sampled faster.
+                fps = max(limits.video_fps, cfg.min_frames / plan.duration_s)  # type: ignore[operator]
+                limits = dataclasses.replace(limits, video_fps=fps)
+                plan = self.decoder.plan_video(source, limits, item=item, param="videos")  # type: ignore[attr-defined]
             size = self._resized(item, plan.num_frames, plan.height, plan.width)
             times = plan.timestamps_s or tuple(k / plan.fps for k in range(plan.num_frames))  # nominal
             self._check_fits(item, self._length(plan.num_frames, size, times), others)
