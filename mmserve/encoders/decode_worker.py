@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
             return 1  # the connection may hold half a message: a fresh worker replaces this one
         if hooks:
             _run_test_hooks(job, payload)
+        _reset_peak_rss()
         try:
             header, pixels = _decode(job, payload)
         except InvalidRequestError as exc:
@@ -65,9 +66,7 @@ def main(argv: list[str]) -> int:
         except Exception:
             _reply(conn, {"status": "failed"})  # a decoder error media.py did not wrap; its text stays here
             continue
-        # The worker's peak resident size so far (KiB on Linux): what decoding costs, for diagnostics.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        _reply(conn, {"status": "ok", **header, "max_rss_kib": peak}, pixels)
+        _reply(conn, {"status": "ok", **header, "max_rss_kib": _peak_rss_kib()}, pixels)
 
 
 def _decode(job: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], np.ndarray | None]:
@@ -105,6 +104,30 @@ def _reply(conn: Connection, header: dict[str, Any], pixels: np.ndarray | None =
     conn.send_bytes(json.dumps(header).encode())
     if pixels is not None:
         conn.send_bytes(memoryview(pixels).cast("B"))  # raw bytes: the pool reads them into its own array
+
+
+def _reset_peak_rss() -> None:
+    """Start this job's peak resident size afresh (Linux: "5" to clear_refs resets VmHWM), so each reply's
+    `max_rss_kib` is that item's own peak. Best effort: elsewhere it is the peak since the worker began."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_kib() -> int | None:
+    """Peak resident size (KiB), for diagnostics. VmHWM, not getrusage's ru_maxrss: Linux carries the
+    parent's size across fork + exec into ru_maxrss, so a worker spawned by a large server would report
+    the server's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _limit_resources(memory_mib: int) -> None:
