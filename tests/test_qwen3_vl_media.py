@@ -446,6 +446,10 @@ def test_video_over_the_context_is_refused_before_preprocessing(mm, monkeypatch:
     frames = np.zeros((16, 256, 256, 3), np.uint8)
     with pytest.raises(PromptTooLongError, match=r"video 0: its \d+ tokens"):
         proc.expand(ids, [], [frames])
+    # An encoded clip: planned in a decode worker from its headers, never decoded.
+    monkeypatch.setattr(proc.decoder, "load_video", never)
+    with pytest.raises(PromptTooLongError, match=r"video 0: its \d+ tokens"):
+        proc.expand(ids, [], [_clip(16, 8, size=(320, 240))])
 
 
 class _PlanningPool:
@@ -504,7 +508,6 @@ def test_planned_decoding_gives_the_same_prompt_and_refuses_before_decoding(
     whole = proc.expand(ids, [_image()], [clip])
     pool = _PlanningPool()
     monkeypatch.setattr(proc, "decoder", pool)
-    assert proc._can_plan
     planned = proc.expand(ids, [_image()], [clip])
     (_, h, w) = whole.mm_inputs[1].data.grid_thw  # type: ignore[attr-defined]
     size = (h * 16, w * 16)

@@ -12,7 +12,6 @@ Knows the checkpoint's placeholder tokens and preprocessing; knows nothing of sc
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,29 +157,24 @@ class MultiModalProcessor:
         prompt tokens besides this video's."""
         cfg = self.video_config
         limits = self.limits if isinstance(source, np.ndarray) else self.video_limits  # arrays: as given
-        if self._can_plan:
-            # From the container's headers: the frames' count and size, so the token count and the resized
-            # size are known before any frame is decoded; each frame is resized right after its decoding.
-            plan = self.decoder.plan_video(source, limits, item=item, param="videos")  # type: ignore[attr-defined]
-            few = cfg.min_frames is not None and plan.num_frames < cfg.min_frames
-            if self.timestamped_videos and few and plan.duration_s > 0 and not isinstance(source, np.ndarray):
-                # Qwen3VLVideoProcessor samples at least min_frames (never more than the source has): a
-                # short clip is sampled faster.
-                fps = max(limits.video_fps, cfg.min_frames / plan.duration_s)  # type: ignore[operator]
-                limits = dataclasses.replace(limits, video_fps=fps)
-                plan = self.decoder.plan_video(source, limits, item=item, param="videos")  # type: ignore[attr-defined]
-            size = self._resized(item, plan.num_frames, plan.height, plan.width)
-            times = plan.timestamps_s or tuple(k / plan.fps for k in range(plan.num_frames))  # nominal
-            self._check_fits(item, self._length(plan.num_frames, size, times), others)
-            video = self.decoder.load_video(
-                source, limits, item=item, param="videos", resize_to=size, resample=cfg.resample
-            )  # type: ignore[call-arg]
-        else:  # the decode pool cannot plan: decoded whole, checked before it is preprocessed
-            video = self.decoder.load_video(source, limits, item=item, param="videos")
-            size = self._resized(item, video.num_frames, *video.frames.shape[1:3])
-            self._check_fits(item, self._length(video.num_frames, size, video.timestamps_s), others)
-        if video.frames.shape[1:3] != size:
-            size = None  # not resized while decoding (e.g. an array): preprocessing resizes
+        # From the container's headers: the frames' count and size, so the token count and the resized size
+        # are known before any frame is decoded; each frame is then resized right after its decoding.
+        plan = self.decoder.plan_video(source, limits, item=item, param="videos")
+        few = cfg.min_frames is not None and plan.num_frames < cfg.min_frames
+        if self.timestamped_videos and few and plan.duration_s > 0 and not isinstance(source, np.ndarray):
+            # Qwen3VLVideoProcessor samples at least min_frames (never more than the source has): a short
+            # clip is sampled faster.
+            fps = max(limits.video_fps, cfg.min_frames / plan.duration_s)  # type: ignore[operator]
+            limits = dataclasses.replace(limits, video_fps=fps)
+            plan = self.decoder.plan_video(source, limits, item=item, param="videos")
+        size = self._resized(item, plan.num_frames, plan.height, plan.width)
+        times = plan.timestamps_s or tuple(k / plan.fps for k in range(plan.num_frames))  # files: nominal
+        self._check_fits(item, self._length(plan.num_frames, size, times), others)
+        video = self.decoder.load_video(
+            source, limits, item=item, param="videos", resize_to=size, resample=cfg.resample
+        )
+        if video.frames.shape[1:3] != size:  # the pool promises the plan's frames; refuse rather than guess
+            raise InvalidRequestError(f"{item}: could not be decoded as planned", param="videos")
         processed = preprocess_video(video.frames, cfg, item=item, size=size)
         if self.timestamped_videos:
             stamps = frame_group_timestamps(video.timestamps_s, cfg.temporal_patch_size)
@@ -188,13 +182,6 @@ class MultiModalProcessor:
             return self._timestamped_video(video.frames, video.fps, processed, stamp_ids, offset)
         mm, span = self._whole_video(video.frames, video.fps, processed, offset)
         return [self.video_token_id] * mm.placeholder.length, [(mm, span)]
-
-    @property
-    def _can_plan(self) -> bool:
-        """Whether the decode pool says a video's frame count and size before decoding it, and resizes
-        frames while decoding (`plan_video`, `load_video(resize_to=...)`)."""
-        load = getattr(self.decoder, "load_video", None)
-        return hasattr(self.decoder, "plan_video") and "resize_to" in inspect.signature(load).parameters
 
     def _resized(self, item: str, num_frames: int, height: int, width: int) -> tuple[int, int]:
         try:
