@@ -81,12 +81,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="also run mmserve-structured: every request constrained by a grammar (its per-step cost)",
     )
     tput.add_argument(
-        "--whole-video",
-        action="store_true",
-        help="long-video: also run mmserve-whole-video (chunked prefill, but each video encoded whole under "
-        "an encoder budget of at least one video) and report its longest step / median against mmserve's",
-    )
-    tput.add_argument(
         "--quick",
         action="store_true",
         help="16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32): a smoke run",
@@ -215,8 +209,6 @@ def _bench_throughput(args: argparse.Namespace) -> int:
         systems = args.systems.split(",")
         if args.structured and "mmserve-structured" not in systems:
             systems.append("mmserve-structured")
-        if args.whole_video and "mmserve-whole-video" not in systems:
-            systems.append("mmserve-whole-video")
         report = bench_throughput(
             model,
             systems,

@@ -94,16 +94,13 @@ def dense_token_rate(
 
 
 # system -> (scheduler policy, encoder chunking). mmserve-no-chunk is vLLM without chunked prefill:
-# whole prefills, each media item encoded whole in the step that reaches it. mmserve-whole-video keeps
-# chunked prefill at the same token budget but encodes each video whole (all its temporal groups, under
-# an encoder budget at least one video) in the step its placeholder is first reached: encoder chunking
-# alone, against mmserve (`--whole-video`; not in SYSTEMS, so the default lists stay as they were).
+# whole prefills, each media item encoded whole in the step that reaches it. (Encoder chunking alone,
+# chunked prefill kept, is `mmserve bench long-video`'s on/off comparison.)
 MMSERVE_SYSTEMS = {
     "mmserve": ("fcfs", True),
     "mmserve-no-chunk": ("no_chunk", False),
     "mmserve-static": ("static", True),
     "mmserve-structured": ("fcfs", True),  # mmserve with every request constrained by STRUCTURED_REGEX
-    "mmserve-whole-video": ("fcfs", False),
 }
 # JSON-like records, repeated: the grammar accepts after every record, so with ignore_eos (EOS is not
 # offered while the grammar allows more) each request still runs to its fixed output length, as the
@@ -184,8 +181,6 @@ def _make_llm(
     policy, chunk_encoder = MMSERVE_SYSTEMS[system]
     if policy in ("no_chunk", "static"):  # these refuse a prompt longer than the budget
         budget = max(budget, max(len(p) for p in workload.prompts))
-    if system == "mmserve-whole-video":  # an encoder budget that takes one whole video
-        encoder_budget = max(encoder_budget or budget, workload.video_tokens)
     return LLM(
         model_dir,
         scheduler_policy=policy,
@@ -393,18 +388,15 @@ def bench_throughput(
 
     from mmserve.models.config import DecoderConfig
 
-    known = (*SYSTEMS, *(k for k in MMSERVE_SYSTEMS if k not in SYSTEMS))
-    unknown = set(systems) - set(known)
+    unknown = set(systems) - set(SYSTEMS)
     if unknown:
-        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {known}")
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     if workload_name not in WORKLOADS:
         raise ValueError(f"unknown workload {workload_name!r}; choose from {WORKLOADS}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     if workload_name in ("random-mm", "long-video") and "hf-cb" in systems:
         raise ValueError("hf-cb runs text workloads only (random, prefix)")
-    if workload_name != "long-video" and "mmserve-whole-video" in systems:
-        raise ValueError("mmserve-whole-video compares encoder chunking on the long-video workload only")
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
     if workload_name == "random":
         workload = random_workload(cfg.vocab_size, num_prompts, input_len, output_len, seed)
@@ -522,7 +514,6 @@ def bench_throughput(
         },
         **_chunking_cost(results),
         **_structured_cost(results),
-        **_whole_video_cost(results),
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -542,23 +533,6 @@ def _structured_cost(results: dict[str, SystemResult]) -> dict:
             "elapsed_over_unconstrained": structured.elapsed_s / plain.elapsed_s,
         }
     }
-
-
-def _whole_video_cost(results: dict[str, SystemResult]) -> dict:
-    """long-video, mmserve against mmserve-whole-video when both ran (same token budget, chunked prefill
-    in both): what encoding a video by temporal groups does to the longest step, against the median."""
-    chunk, whole = results.get("mmserve"), results.get("mmserve-whole-video")
-    if chunk is None or whole is None or chunk.max_step_s is None or whole.max_step_s is None:
-        return {}
-    cost = {
-        "max_step_over_median_chunked": chunk.max_step_over_median,
-        "max_step_over_median_whole_video": whole.max_step_over_median,
-        "max_step_whole_video_over_chunked": whole.max_step_s / chunk.max_step_s,
-        "throughput_chunked_over_whole_video": chunk.output_tokens_per_s / whole.output_tokens_per_s,
-    }
-    if chunk.itl_p99_ms is not None and whole.itl_p99_ms:
-        cost["p99_itl_chunked_over_whole_video"] = chunk.itl_p99_ms / whole.itl_p99_ms
-    return {"encoder_chunking": cost}
 
 
 def _chunking_cost(results: dict[str, SystemResult]) -> dict:
@@ -624,14 +598,6 @@ def format_report(report: dict) -> str:
     if "p99_itl_chunk_over_no_chunk" in report:
         lines.append(
             f"p99 text ITL, mmserve / mmserve-no-chunk: {report['p99_itl_chunk_over_no_chunk']:.2f}x"
-        )
-    if "encoder_chunking" in report:
-        ec = report["encoder_chunking"]
-        lines.append(
-            f"encoder chunking (mmserve) vs whole-video encoding (mmserve-whole-video): longest step / median "
-            f"{ec['max_step_over_median_chunked']:.2f} vs {ec['max_step_over_median_whole_video']:.2f}; "
-            f"longest step whole / chunked {ec['max_step_whole_video_over_chunked']:.2f}x; "
-            f"output tok/s chunked / whole {ec['throughput_chunked_over_whole_video']:.2f}x"
         )
     if "throughput_cost_of_chunking" in report:
         lines.append(
