@@ -148,12 +148,16 @@ def test_qwen3_vl_moe_against_hf_static_reports_the_expert_share(
     """Qwen3-VL-MoE, image requests, beside transformers' generate() (mm_token_type_ids): the ratio and the
     share of decoder-forward time inside the SparseMoE modules (bench hooks) are finite and in range."""
     report = run_quick(
-        tiny_model_dir("qwen3_vl_moe"), tmp_path / "moe.json", "random-mm", ["mmserve", "hf-static"]
-    )
+        tiny_model_dir("qwen3_vl_moe"), tmp_path / "moe.json", "random-mm", ["mmserve", "hf-static"],
+        "--repeats", "2",
+    )  # fmt: skip
     mm, hf = report["systems"]["mmserve"], report["systems"]["hf-static"]
     assert math.isfinite(mm["ratio_to_hf_static"]) and mm["ratio_to_hf_static"] > 0
     assert 0 < mm["expert_share"] < 1
-    assert hf["expert_share"] is None
+    assert len(mm["expert_share_runs"]) == 2 and all(0 < x < 1 for x in mm["expert_share_runs"])
+    assert hf["expert_share"] is None and hf["expert_share_runs"] is None
+    assert mm["cpu_s"] > 0 and len(mm["cpu_s_runs"]) == 2
+    assert math.isfinite(mm["cpu_ratio_to_hf_static"]) and mm["cpu_ratio_to_hf_static"] > 0
     assert all(v == 0 for v in report["outputs_differing_from_first_system"].values())
 
 

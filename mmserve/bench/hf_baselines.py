@@ -52,15 +52,16 @@ def _hf_media_kwargs(
 
 def run_hf_static(
     model: torch.nn.Module, workload: Workload, batch_size: int, pad_id: int, model_dir: Path | None = None
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, list[list[int]], float]:
     """transformers generate() in fixed batches, left padded, each batch running to its longest request.
+    Returns (wall seconds, tokens per request, this process's CPU seconds over the same span).
 
     long-video: the batches follow arrival order (workload order: the texts, then the videos), but the
     arrival steps do not apply: a static batch takes no request once it runs, so a video simply waits
     for the batch before it, and no ITL is reported."""
     order = list(range(len(workload.prompts)))
     results: list[list[int]] = [[] for _ in order]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for b in range(0, len(order), batch_size):
         idx = order[b : b + batch_size]
         width = max(len(workload.prompts[i]) for i in idx)
@@ -84,12 +85,12 @@ def run_hf_static(
             )
         for row, i in enumerate(idx):
             results[i] = out[row, width : width + workload.output_lens[i]].tolist()
-    return time.perf_counter() - start, results
+    return time.perf_counter() - start, results, time.process_time() - cpu_start
 
 
 def run_hf_cb(
     model: torch.nn.Module, workload: Workload, max_num_seqs: int, max_num_batched_tokens: int
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, list[list[int]], float]:
     """transformers' own continuous batching (`generate_batch`, paged cache), text only. Its KV pool is
     sized to the workload (its default sizes itself to most of the free memory, slowly, on a CPU)."""
     from transformers import GenerationConfig
@@ -131,9 +132,9 @@ def run_hf_cb(
         return [results[f"r{i}"] for i in range(len(prompts))]
 
     gen([p[::-1] for p in workload.prompts[:2]], [2, 2])  # warm-up
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tokens = gen(workload.prompts, workload.output_lens)
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, time.process_time() - cpu_start
 
 
 def load_hf_model(model_dir: Path) -> torch.nn.Module:

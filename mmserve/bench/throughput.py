@@ -58,6 +58,13 @@ class SystemResult:
     expert_share: float | None = None
     # With repeats > 1: every run's wall time, in run order; the other figures are the median run's.
     elapsed_s_runs: list[float] | None = None
+    expert_share_runs: list[float | None] | None = None  # likewise, every run's expert_share (MoE models)
+    # CPU seconds this process spent in the timed span (all its threads; child processes not counted):
+    # on a shared machine it moves far less than wall time when others take the cores. The median run's,
+    # every run's (repeats > 1), and hf-static's median CPU seconds over this system's median.
+    cpu_s: float | None = None
+    cpu_s_runs: list[float] | None = None
+    cpu_ratio_to_hf_static: float | None = None
 
 
 def step_time_split(steps: Sequence[StepRecord], elapsed: float) -> dict:
@@ -117,6 +124,7 @@ class MmserveRun:
     max_num_batched_tokens: int
     arrivals: dict | None = None  # long-video: the arrival driver's latency fields, see _arrival_stats
     expert_share: float | None = None  # MoE models: see SystemResult.expert_share
+    cpu_s: float = 0.0  # see SystemResult.cpu_s
 
 
 class ExpertTimer:
@@ -247,6 +255,7 @@ def run_mmserve(
     arrivals = None
     timer = _expert_timer(llm)
     llm.step_records.clear()
+    cpu_start = time.process_time()
     if workload.arrival_steps is None:
         start = time.perf_counter()
         outputs = llm.generate(_engine_prompts(workload), params)
@@ -254,6 +263,8 @@ def run_mmserve(
         tokens = [o.token_ids for o in outputs]
     else:
         elapsed, tokens, stamps = _drive_arrivals(llm, workload, params)
+    cpu_s = time.process_time() - cpu_start
+    if workload.arrival_steps is not None:
         arrivals = _arrival_stats(llm, workload, stamps)
     expert_share = None
     if timer is not None:
@@ -269,6 +280,7 @@ def run_mmserve(
         max_num_batched_tokens=llm.engine.scheduler_config.max_num_batched_tokens,
         arrivals=arrivals,
         expert_share=expert_share,
+        cpu_s=cpu_s,
     )
 
 
@@ -345,17 +357,20 @@ def _run_system(
     max_num_encoder_tokens: int | None,
     hf_batch_size: int,
     encoder_token_cost: float = 0.0,
-) -> tuple[float, list[list[int]], MmserveRun | None]:
-    """One timed run: (elapsed seconds, greedy tokens per request, mmserve's extra figures or None)."""
+) -> tuple[float, list[list[int]], MmserveRun | None, float]:
+    """One timed run: (elapsed seconds, greedy tokens per request, mmserve's extra figures or None, CPU
+    seconds of this process over the timed span)."""
     if system == "hf-static":
-        return (*run_hf_static(hf_model, workload, hf_batch_size, 0, model_dir), None)
+        elapsed, tokens, cpu = run_hf_static(hf_model, workload, hf_batch_size, 0, model_dir)
+        return elapsed, tokens, None, cpu
     if system == "hf-cb":
-        return (*run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens), None)
+        elapsed, tokens, cpu = run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens)
+        return elapsed, tokens, None, cpu
     run = run_mmserve(
         model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens,
         encoder_token_cost,
     )  # fmt: skip
-    return run.elapsed_s, run.tokens, run
+    return run.elapsed_s, run.tokens, run, run.cpu_s
 
 
 def bench_throughput(
@@ -422,8 +437,8 @@ def bench_throughput(
         )  # fmt: skip
     hf_model = load_hf_model(model_dir)
     rooflines: list[float] = []
-    # system -> [(elapsed, greedy tokens, mmserve run or None)], one per repeat
-    runs: dict[str, list[tuple[float, list[list[int]], MmserveRun | None]]] = {k: [] for k in systems}
+    # system -> [(elapsed, greedy tokens, mmserve run or None, CPU seconds)], one per repeat
+    runs: dict[str, list[tuple[float, list[list[int]], MmserveRun | None, float]]] = {k: [] for k in systems}
     with tqdm(total=repeats * len(systems), desc="bench throughput", disable=not progress) as bar:
         for _ in range(repeats):
             rooflines.append(dense_token_rate(hf_model, cfg.vocab_size))
@@ -442,7 +457,8 @@ def bench_throughput(
     results: dict[str, SystemResult] = {}
     tokens: dict[str, list[list[int]]] = {}
     for system, system_runs in runs.items():
-        elapsed, tokens[system], run = sorted(system_runs, key=lambda r: r[0])[(len(system_runs) - 1) // 2]
+        elapsed, tokens[system], run, _ = sorted(system_runs, key=lambda r: r[0])[(len(system_runs) - 1) // 2]
+        cpu_runs = [r[3] for r in system_runs]
         mmserve_fields = {}
         if run is not None:
             mmserve_fields = {
@@ -462,11 +478,22 @@ def bench_throughput(
             efficiency=out_rate / bound,
             **mmserve_fields,
             elapsed_s_runs=[r[0] for r in system_runs] if repeats > 1 else None,
+            expert_share_runs=[r[2].expert_share for r in system_runs]
+            if repeats > 1 and run is not None and run.expert_share is not None
+            else None,
+            cpu_s=sorted(cpu_runs)[(len(cpu_runs) - 1) // 2],
+            cpu_s_runs=cpu_runs if repeats > 1 else None,
         )
     if "hf-static" in results:
-        base = results["hf-static"].output_tokens_per_s
+        base, base_cpu = results["hf-static"].output_tokens_per_s, results["hf-static"].cpu_s
         results = {
-            k: SystemResult(**{**asdict(r), "ratio_to_hf_static": r.output_tokens_per_s / base})
+            k: SystemResult(
+                **{
+                    **asdict(r),
+                    "ratio_to_hf_static": r.output_tokens_per_s / base,
+                    "cpu_ratio_to_hf_static": base_cpu / r.cpu_s if r.cpu_s else None,
+                }
+            )
             for k, r in results.items()
         }
     report = {
@@ -551,13 +578,16 @@ def format_report(report: dict) -> str:
     lines = [
         f"roofline {report['roofline_tokens_per_s']:.0f} tok/s (dense forward of 2048 tokens); "
         f"output-token bound {report['output_tokens_per_s_bound']:.1f} tok/s",
-        f"{'system':<18}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}{'efficiency':>12}{'vs hf-static':>14}",
+        f"{'system':<18}{'req/s':>8}{'out tok/s':>11}{'total tok/s':>13}{'efficiency':>12}{'vs hf-static':>14}"
+        f"{'CPU s':>9}{'CPU vs hf':>11}",
     ]
     for r in report["systems"].values():
         ratio = f"{r['ratio_to_hf_static']:.2f}x" if r["ratio_to_hf_static"] is not None else "-"
+        cpu_ratio = f"{r['cpu_ratio_to_hf_static']:.2f}x" if r.get("cpu_ratio_to_hf_static") is not None else "-"
+        cpu = f"{r['cpu_s']:.1f}" if r.get("cpu_s") is not None else "-"
         lines.append(
             f"{r['system']:<18}{r['requests_per_s']:>8.2f}{r['output_tokens_per_s']:>11.1f}"
-            f"{r['total_tokens_per_s']:>13.1f}{r['efficiency']:>11.0%}{ratio:>14}"
+            f"{r['total_tokens_per_s']:>13.1f}{r['efficiency']:>11.0%}{ratio:>14}{cpu:>9}{cpu_ratio:>11}"
         )
     for r in report["systems"].values():
         if r.get("step_time_split"):
@@ -595,6 +625,12 @@ def format_report(report: dict) -> str:
             f"median run. Wall times (s): {runs}; roofline runs (tok/s): "
             + " / ".join(f"{x:.0f}" for x in report["roofline_tokens_per_s_runs"])
         )
+        shares = [r for r in report["systems"].values() if r.get("expert_share_runs")]
+        if shares:
+            lines.append(
+                "expert share of forward per run: "
+                + "; ".join(f"{r['system']} " + " / ".join(f"{x:.0%}" for x in r["expert_share_runs"]) for r in shares)
+            )
     if "p99_itl_chunk_over_no_chunk" in report:
         lines.append(
             f"p99 text ITL, mmserve / mmserve-no-chunk: {report['p99_itl_chunk_over_no_chunk']:.2f}x"
