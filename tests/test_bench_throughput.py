@@ -99,6 +99,7 @@ def test_long_video_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path)
         assert 0 < r["itl_p50_ms"] <= r["itl_p99_ms"]
         assert 0 < r["median_step_s"] <= r["max_step_s"]
         assert r["max_step_over_median"] == pytest.approx(r["max_step_s"] / r["median_step_s"])
+        assert 0 < r["max_step_since_video_s"] <= r["max_step_s"]
         timelines[name] = r["timeline"]
         assert len(r["timeline"]) > 1
         assert r["max_encoder_tokens_in_a_step"] == max(s["encoder_tokens"] for s in r["timeline"])
@@ -164,3 +165,18 @@ def test_qwen3_vl_moe_against_hf_static_reports_the_expert_share(
 def test_dense_model_has_no_expert_share(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     report = run_quick(tiny_model_dir("qwen2"), tmp_path / "dense.json", "random", ["mmserve"])
     assert report["systems"]["mmserve"]["expert_share"] is None
+
+
+def test_long_video_qwen3_vl_counts_every_temporal_group(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen3-VL's video is one input per temporal group: video_tokens sums them, mmserve-no-chunk encodes a
+    whole video in one step, mmserve at most the 32-token encoder budget; the step ratios are finite."""
+    systems = ["mmserve", "mmserve-no-chunk"]
+    report = run_quick(tiny_model_dir("qwen3_vl"), tmp_path / "lv3.json", "long-video", systems)
+    video_tokens = report["workload"]["video_tokens"]
+    chunked, whole = report["systems"]["mmserve"], report["systems"]["mmserve-no-chunk"]
+    assert chunked["max_encoder_tokens_in_a_step"] <= 32 < video_tokens <= whole["max_encoder_tokens_in_a_step"]
+    for r in (chunked, whole):
+        assert math.isfinite(r["max_step_since_video_over_median"]) and r["max_step_since_video_over_median"] > 0
+    assert report["outputs_differing_from_first_system"]["mmserve-no-chunk"] == 0

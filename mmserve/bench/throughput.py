@@ -53,6 +53,10 @@ class SystemResult:
     max_encoder_tokens_in_a_step: int | None = None
     timeline: list[dict] | None = None
     max_step_over_median: float | None = None  # long-video: longest step / median step
+    # long-video: the longest step from the first video's arrival on (the text prefills before it left
+    # out), and it over the median step: what a long video joining running decodes does to them.
+    max_step_since_video_s: float | None = None
+    max_step_since_video_over_median: float | None = None
     # mmserve on an MoE model: seconds inside SparseMoE forwards (router + experts) over decoder-forward
     # seconds of the timed run's step records (see ExpertTimer); None for a dense model.
     expert_share: float | None = None
@@ -262,10 +266,10 @@ def run_mmserve(
         elapsed = time.perf_counter() - start
         tokens = [o.token_ids for o in outputs]
     else:
-        elapsed, tokens, stamps = _drive_arrivals(llm, workload, params)
+        elapsed, tokens, stamps, first_video_step = _drive_arrivals(llm, workload, params)
     cpu_s = time.process_time() - cpu_start
     if workload.arrival_steps is not None:
-        arrivals = _arrival_stats(llm, workload, stamps)
+        arrivals = _arrival_stats(llm, workload, stamps, first_video_step)
     expert_share = None
     if timer is not None:
         timer.close()
@@ -286,9 +290,10 @@ def run_mmserve(
 
 def _drive_arrivals(
     llm: LLM, workload: Workload, params: list[SamplingParams]
-) -> tuple[float, list[list[int]], list[list[float]]]:
+) -> tuple[float, list[list[int]], list[list[float]], int]:
     """Steps the engine by hand, adding request i after `arrival_steps[i]` steps and stamping each
-    output token with the time its step returned. Returns (elapsed, tokens, stamps) per request.
+    output token with the time its step returned. Returns (elapsed, tokens, stamps) per request and
+    the index in `llm.step_records` of the first step after the first media request was added.
 
     Every request is preprocessed before the loop (a server does it off the engine loop, in its decode
     pool, so it must not show as a stall of the decodes); that time still counts in `elapsed`, as it
@@ -307,9 +312,13 @@ def _drive_arrivals(
     tokens: list[list[int]] = [[] for _ in requests]
     stamps: list[list[float]] = [[] for _ in requests]
     step = idle = 0
+    first_video_step = None
     while pending or engine.has_unfinished_requests():
         while pending and pending[-1][0] <= step:
-            engine.add_request(pending.pop()[1])
+            request = pending.pop()[1]
+            if first_video_step is None and not workload.is_text(order[request.request_id]):
+                first_video_step = len(llm.step_records)
+            engine.add_request(request)
         core_outputs = engine.step()
         if core_outputs.step is not None:
             llm.step_records.append(core_outputs.step)
@@ -324,10 +333,10 @@ def _drive_arrivals(
         idle = 0 if outputs or core_outputs.stats.num_running or pending else idle + 1
         if idle > 1:
             raise EngineDeadError("the scheduler admits nothing while no request runs")
-    return time.perf_counter() - start, tokens, stamps
+    return time.perf_counter() - start, tokens, stamps, first_video_step or 0
 
 
-def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]]) -> dict:
+def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]], first_video_step: int) -> dict:
     """ITL percentiles of the text requests and the composition and time of every timed step."""
     from mmserve.bench.long_video import step_timeline
 
@@ -342,6 +351,8 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]]) -> d
         "max_step_s": max(times),
         "median_step_s": float(np.median(times)),
         "max_step_over_median": max(times) / float(np.median(times)),
+        "max_step_since_video_s": max(times[first_video_step:] or [0.0]),
+        "max_step_since_video_over_median": max(times[first_video_step:] or [0.0]) / float(np.median(times)),
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
         "timeline": step_timeline(steps),
     }
@@ -610,8 +621,9 @@ def format_report(report: dict) -> str:
             )
             lines.append(
                 f"{r['system']}: {itl}; step max {r['max_step_s'] * 1e3:.1f} ms, median "
-                f"{r['median_step_s'] * 1e3:.1f} ms (max/median {r['max_step_over_median']:.2f}) over "
-                f"{len(r['timeline'])} steps; at most "
+                f"{r['median_step_s'] * 1e3:.1f} ms (max/median {r['max_step_over_median']:.2f}; since the first "
+                f"video arrived max {r['max_step_since_video_s'] * 1e3:.1f} ms, "
+                f"{r['max_step_since_video_over_median']:.2f}x median) over {len(r['timeline'])} steps; at most "
                 f"{r['max_encoder_tokens_in_a_step']} encoder tokens in a step "
                 f"(a video is {report['workload']['video_tokens']}), token budget {r['max_num_batched_tokens']}"
             )

@@ -83,7 +83,8 @@ def _random_frames(np_rng: np.random.Generator, num_frames: int, size: int) -> n
 def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
     """The engine's token ids of each prompt (placeholders expanded by mmserve's own processor; nothing
     runs, the KV pool is only big enough that the model's own context limit applies), and the
-    placeholder length of the last video seen (0: none)."""
+    placeholder tokens of the last video seen (0: none): for Qwen3-VL, whose video is one input per
+    temporal group (timestamps between them), the sum over the request's video inputs."""
     from mmserve import LLM, SamplingParams
 
     processor = LLM(model_dir, num_kv_blocks=4096).processor
@@ -91,9 +92,7 @@ def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
     for i, p in enumerate(prompts):
         request = processor.process(p, SamplingParams(max_tokens=1), f"w{i}")[0]
         ids.append(request.prompt_token_ids)
-        video_tokens = next(
-            (m.placeholder.length for m in request.mm_inputs if m.modality == "video"), video_tokens
-        )
+        video_tokens = sum(m.placeholder.length for m in request.mm_inputs if m.modality == "video") or video_tokens
     return ids, video_tokens
 
 
