@@ -17,27 +17,17 @@ import torch
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
-from mmserve.encoders.preprocess import load_preprocess_config, preprocess_video
 from mmserve.models.config import DecoderConfig
-from tests.test_parity import random_prompts
-
-NUM_NEW_TOKENS = 8
-GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def _generate(model: torch.nn.Module, ids: torch.Tensor, **kwargs: object) -> tuple[list[int], list[float]]:
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs,
-        )  # fmt: skip
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)]
-    return tokens, logprobs
+from tests.test_mm_parity import GREEDY
+from tests.test_mm_parity import hf_reference as mm_reference
+from tests.test_parity import GREEDY as TEXT_GREEDY
+from tests.test_parity import hf_reference, random_prompts
 
 
-def check(llm: LLM, prompts: list, expected: list[tuple[list[int], list[float]]]) -> None:
-    outputs = llm.generate(prompts, GREEDY)
+def check(
+    llm: LLM, prompts: list, expected: list[tuple[list[int], list[float]]], params: SamplingParams = GREEDY
+) -> None:
+    outputs = llm.generate(prompts, params)
     for i, (out, (tokens, logprobs)) in enumerate(zip(outputs, expected, strict=True)):
         assert out.token_ids == tokens, f"prompt {i} diverged"
         got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
@@ -53,35 +43,32 @@ def check(llm: LLM, prompts: list, expected: list[tuple[list[int], list[float]]]
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
 def text_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, list, list]:
-    from transformers import AutoModelForCausalLM
-
     model_dir = tiny_model_dir(request.param)
     vocab_size = DecoderConfig.from_pretrained(model_dir)[0].vocab_size
-    prompts = random_prompts(vocab_size, (1, 9, 64, 133, 300), seed=1)
+    prompts = random_prompts(vocab_size, (1, 9, 64, 133), seed=1)
     prefix = random_prompts(vocab_size, (70,), seed=2)[0]
     prompts += [prefix + tail for tail in random_prompts(vocab_size, (3, 30), seed=3)]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, prompts, [_generate(model, torch.tensor([p])) for p in prompts]
+    return model_dir, prompts, hf_reference(model_dir, prompts)
 
 
 def test_text_default_settings_and_prefix_caching(text_case: tuple) -> None:
     model_dir, prompts, expected = text_case
     llm = LLM(model_dir, block_size=16)
-    check(llm, prompts, expected)
+    check(llm, prompts, expected, TEXT_GREEDY)
     hits = llm.stats().prefix_cache_hits
-    check(llm, prompts[-2:], expected[-2:])  # the shared-prefix pair again: whole blocks hit
+    check(llm, prompts[-2:], expected[-2:], TEXT_GREEDY)  # the shared-prefix pair again: whole blocks hit
     assert llm.stats().prefix_cache_hits - hits >= 64
 
 
 def test_text_seven_token_budget(text_case: tuple) -> None:
     model_dir, prompts, expected = text_case
-    check(LLM(model_dir, max_num_batched_tokens=7), prompts, expected)
+    check(LLM(model_dir, max_num_batched_tokens=7), prompts, expected, TEXT_GREEDY)
 
 
 def test_text_preemption(text_case: tuple) -> None:
     model_dir, prompts, expected = text_case
     llm = LLM(model_dir, num_kv_blocks=12, block_size=32, max_num_batched_tokens=64)
-    check(llm, prompts, expected)
+    check(llm, prompts, expected, TEXT_GREEDY)
     assert llm.stats().num_preemptions > 0
 
 
@@ -126,30 +113,6 @@ VIDEO_CASES: dict[str, dict] = {
     },
 }
 MM_CASES: dict[str, dict] = {**IMAGE_CASES, **VIDEO_CASES}
-
-
-def mm_reference(model: torch.nn.Module, model_dir: Path, llm: LLM, case: dict) -> tuple[list[int], list[float]]:
-    """transformers' greedy output on mmserve's expanded prompt (the expansion, timestamps included, is
-    checked against transformers' processor in test_qwen3_vl_media.py), with pixels from transformers'
-    image processor (videos: mmserve's frame-by-frame processing, as transformers' needs torchvision)."""
-    from transformers import AutoImageProcessor
-
-    request, _ = llm.processor.process(case, GREEDY, "ref")
-    ids = torch.tensor([request.prompt_token_ids])
-    cfg = model.config
-    types = (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()
-    kwargs: dict = {"mm_token_type_ids": types}
-    if case.get("images"):
-        px = AutoImageProcessor.from_pretrained(model_dir)(images=case["images"], return_tensors="pt")
-        kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
-    if case.get("videos"):
-        vcfg = load_preprocess_config(model_dir, "video")
-        processed = [preprocess_video(v, vcfg) for v in case["videos"]]
-        kwargs.update(
-            pixel_values_videos=torch.cat([p.pixel_values for p in processed]),
-            video_grid_thw=torch.tensor([p.grid_thw for p in processed]),
-        )
-    return _generate(model, ids, **kwargs)
 
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])

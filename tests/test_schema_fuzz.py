@@ -23,7 +23,7 @@ from mmserve.encoders.media import MediaLimits
 from mmserve.engine.async_engine import AsyncEngine
 
 KEY = "sk-schema"
-MAX_EXAMPLES = 12  # per operation: the whole file stays well under a minute
+MAX_EXAMPLES = 8  # per operation: the whole file stays well under a minute
 
 
 @pytest.fixture(scope="module")

@@ -259,7 +259,7 @@ def test_qwen3_moe_families_equal_tp1_and_transformers(
     vl_dir = tiny_model_dir("qwen3_vl_moe")
     model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
     tp1 = LLM(vl_dir)
-    cases = list(MM_CASES.values())
+    cases = [MM_CASES[n] for n in ("text", "image_odd", "video_odd", "image_and_video")]
     expected = [mm_reference(model, vl_dir, tp1, case)[0] for case in cases]
     reference = tp1.generate(cases, QWEN3_GREEDY)
     for settings in ({}, {"mm_encoder_tp_mode": "weights", "max_num_batched_tokens": 7}):

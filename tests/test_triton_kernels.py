@@ -220,16 +220,19 @@ def test_dispatch_honours_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @kernels_here
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 def test_greedy_tokens_match_the_torch_backend(
-    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    arch: str, tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A budget of 16 tokens chunks the longer prompt, so steps mix prefill chunks with decodes."""
-    model_dir = tiny_model_dir("qwen2")
+    """A budget of 16 tokens chunks the longer prompt, so steps mix prefill chunks with decodes. Qwen3-MoE:
+    its head_dim (twice hidden / heads) through the attention kernels and its experts through the MoE one."""
+    model_dir = tiny_model_dir(arch)
     prompts = [list(range(100, 130)), list(range(200, 209)), [300]]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     tokens = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv("MMSERVE_ATTENTION_BACKEND", name)
+        monkeypatch.setenv("MMSERVE_MOE_BACKEND", name)
         llm = LLM(model_dir, device=DEVICE.type, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=16)
         assert llm.engine.info().attention_backend == name
         tokens[name] = [out.token_ids for out in llm.generate(prompts, params)]
