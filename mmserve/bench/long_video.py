@@ -47,7 +47,9 @@ def run_once(
     video, _ = processor.process(
         _video_prompt(num_frames, frame_size, 2), SamplingParams(max_tokens=1), "video"
     )
-    num_groups = video.mm_inputs[0].num_groups
+    # One input holding every group (Qwen2/2.5-VL), or one input per group (Qwen3-VL: timestamps between them).
+    num_groups = sum(mm.num_groups for mm in video.mm_inputs)
+    video_tokens = sum(mm.placeholder.length for mm in video.mm_inputs)
     engine.add_request(video)
     steps: list[StepRecord] = []
     while True:
@@ -61,7 +63,7 @@ def run_once(
     return {
         "chunk_encoder": chunk_encoder,
         "temporal_groups": num_groups,
-        "video_tokens": video.mm_inputs[0].placeholder.length,
+        "video_tokens": video_tokens,
         "steps": len(steps),
         "max_step_s": max(times),
         "median_step_s": statistics.median(times),
