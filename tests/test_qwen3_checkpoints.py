@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine.core import _approx_weight_bytes
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.kernels.moe import fused_moe
 from mmserve.models.config import DecoderConfig
@@ -90,6 +91,8 @@ def test_hub_config_builds_the_decoder_transformers_builds(name: str, tmp_path: 
     if not cfg.tie_word_embeddings:
         theirs_count += theirs.lm_head.weight.numel()
     assert ours_count == theirs_count
+    # What the engine reserves for the weights before sizing a GPU KV pool: the experts included.
+    assert _approx_weight_bytes(cfg, torch.bfloat16) == pytest.approx(2 * ours_count, rel=0.01)
     assert hf.vision_config.out_hidden_size == cfg.hidden_size
 
 

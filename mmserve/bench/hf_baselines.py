@@ -35,9 +35,9 @@ def _hf_media_kwargs(
         kwargs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
     if videos:
         from mmserve.encoders.media import DEFAULT_LIMITS
-        from mmserve.encoders.preprocess import load_preprocess_config, preprocess_video
+        from mmserve.encoders.preprocess import load_preprocess_configs, preprocess_video
 
-        vcfg = load_preprocess_config(model_dir, "video")
+        vcfg = load_preprocess_configs(model_dir, cfg.model_type)[1]  # as mmserve's processor: family defaults
         processed = [preprocess_video(v, vcfg) for v in videos]
         kwargs.update(
             pixel_values_videos=torch.cat([p.pixel_values for p in processed]),

@@ -303,10 +303,15 @@ class EngineCore:
 
 
 def _approx_weight_bytes(cfg: DecoderConfig, dtype: torch.dtype) -> int:
-    per_layer = (
+    """The decoder's weights (not yet loaded when the pool is sized): attention, each layer's MLP (the dense
+    one, or the router and every expert of a MoE layer: most of a MoE model), the embeddings."""
+    attention = (
         cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-        + 3 * cfg.hidden_size * cfg.intermediate_size
     )
+    dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    moe_mlp = cfg.num_experts * (3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.hidden_size)
+    num_moe = len(cfg.moe_layers)
+    layers = attention * cfg.num_layers + dense_mlp * (cfg.num_layers - num_moe) + moe_mlp * num_moe
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return (per_layer * cfg.num_layers + embeddings) * dtype.itemsize
+    return (layers + embeddings) * dtype.itemsize

@@ -91,11 +91,12 @@ class MultiModalProcessor:
             self.encode = encode
             self.vision_start_id: int = hf_config.vision_start_token_id
             self.vision_end_id: int = hf_config.vision_end_token_id
-            # Sample files at the checkpoint's own rate and frame cap, within the server's limits.
+            # Sample files at the checkpoint's own rate and frame cap, within the server's limits (an operator's
+            # lower rate wins).
             cfg = self.video_config
             self.video_limits = dataclasses.replace(
                 limits,
-                video_fps=cfg.fps or limits.video_fps,
+                video_fps=min(cfg.fps, limits.video_fps) if cfg.fps else limits.video_fps,
                 max_video_frames=min(limits.max_video_frames, cfg.max_frames or limits.max_video_frames),
             )
 
@@ -173,8 +174,6 @@ class MultiModalProcessor:
         video = self.decoder.load_video(
             source, limits, item=item, param="videos", resize_to=size, resample=cfg.resample
         )
-        if video.frames.shape[1:3] != size:  # the pool promises the plan's frames; refuse rather than guess
-            raise InvalidRequestError(f"{item}: could not be decoded as planned", param="videos")
         processed = preprocess_video(video.frames, cfg, item=item, size=size)
         if self.timestamped_videos:
             stamps = frame_group_timestamps(video.timestamps_s, cfg.temporal_patch_size)

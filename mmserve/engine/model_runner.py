@@ -91,7 +91,8 @@ class ModelRunner:
         self.shard_encoder = mm_encoder_tp_mode == "weights" and tp.world_size > 1
         shard_over = tp if self.shard_encoder else None
         self.vision = VisionTower(hf_config, model_dir, device, dtype, shard_over) if has_vision else None
-        self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}  # (mm_hash, group) -> [tokens, hidden]
+        # (mm_hash, group) -> [tokens, embed_width]: the embeddings, then any DeepStack levels (vision.py)
+        self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
 
     @staticmethod
@@ -272,7 +273,7 @@ class ModelRunner:
             logger.exception("rank %d failed to encode its share of the step's media", self.tp.rank)
             status[0] = 1
         statuses = self.tp.all_gather(status)
-        gathered = self.tp.all_gather(padded)  # [world_size] x [width, hidden]
+        gathered = self.tp.all_gather(padded)  # [world_size] x [width, embed_width]
         failed_ranks = [rank for rank, s in enumerate(statuses) if int(s[0])]
         if failed_ranks:
             raise EncoderFailed(f"ranks {failed_ranks} failed to encode their share of the step's media")
@@ -300,7 +301,7 @@ class ModelRunner:
             raise EncoderFailed(f"ranks {failed_ranks} cannot encode the step's media")
 
     def _encode_run(self, run: EncoderRun, checked: bool = False) -> torch.Tensor:
-        """-> [run.num_tokens, hidden] embeddings. `checked`: inputs and fault hook already checked."""
+        """-> [run.num_tokens, embed_width] embeddings. `checked`: inputs and fault hook already checked."""
         if self.vision is None:
             raise ValueError("this model has no vision tower, but a request carries media")
         if not checked:
