@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -244,22 +245,20 @@ def _describe(kernel, signature: dict, constexprs: dict, options, arch: int) -> 
     )
 
 
-def _main(cases_path: str, out_path: str) -> None:
-    assert "TRITON_INTERPRET" not in os.environ
+def _compile_launches(
+    cases: list[dict], record: Callable[[dict, int], list[tuple[str, object, tuple, dict]]]
+) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Every launch `record(case, num_sms)` makes, per case and GPU, compiled once per distinct key:
+    (launches per case id, compile result per key)."""
     from triton.backends.compiler import GPUTarget
 
-    from mmserve.kernels import triton_attention as ta
-    from mmserve.kernels import triton_cache as tc
-
-    start = time.perf_counter()
-    cases = json.loads(Path(cases_path).read_text())
     launches: dict[str, list[dict]] = {}
     todo: dict[str, tuple] = {}  # compile key -> what to compile
     for case in cases:
         launches[case["id"]] = []
         for arch, num_sms in ARCHS.items():
             target = GPUTarget("cuda", arch, 32)  # CUDA warps are 32 threads
-            for batch, kernel, args, kwargs in _record_launches(case, num_sms):
+            for batch, kernel, args, kwargs in record(case, num_sms):
                 options, signature, constexprs, attrs = _specialize(kernel, args, kwargs, target)
                 names = kernel.arg_names
                 # The engine's constexprs (upper case), pointer dtypes and launch options make the key; the
@@ -280,6 +279,16 @@ def _main(cases_path: str, out_path: str) -> None:
         results = {key: future.result() for key, future in futures.items()}
     for key, (kernel, signature, constexprs, _, options, target) in todo.items():
         results[key]["desc"] = _describe(kernel, signature, constexprs, options, target.arch)
+    return launches, results
+
+
+def _main(cases_path: str, out_path: str) -> None:
+    assert "TRITON_INTERPRET" not in os.environ
+    from mmserve.kernels import triton_attention as ta
+    from mmserve.kernels import triton_cache as tc
+
+    start = time.perf_counter()
+    launches, results = _compile_launches(json.loads(Path(cases_path).read_text()), _record_launches)
     report = dict(
         interpreted=[ta.INTERPRETED, tc.INTERPRETED],
         launches=launches,
@@ -445,34 +454,11 @@ def _record_moe_launches(case: dict) -> list[tuple[str, object, tuple, dict]]:
 
 def _moe_main(cases_path: str, out_path: str) -> None:
     assert "TRITON_INTERPRET" not in os.environ
-    from triton.backends.compiler import GPUTarget
-
     from mmserve.kernels import triton_moe as tm
 
     start = time.perf_counter()
     cases = json.loads(Path(cases_path).read_text())
-    launches: dict[str, list[dict]] = {}
-    todo: dict[str, tuple] = {}  # compile key -> what to compile, keyed as in _main
-    for case in cases:
-        launches[case["id"]] = []
-        for arch in ARCHS:
-            target = GPUTarget("cuda", arch, 32)
-            for batch, kernel, args, kwargs in _record_moe_launches(case):
-                options, signature, constexprs, attrs = _specialize(kernel, args, kwargs, target)
-                names = kernel.arg_names
-                values = {names[i[0]]: v for i, v in constexprs.items() if names[i[0]].isupper()}
-                pointers = {k: v for k, v in signature.items() if v.startswith("*")}
-                key = repr((kernel.__name__, arch, sorted(values.items()), sorted(pointers.items()), options))
-                launches[case["id"]].append(
-                    dict(batch=batch, kernel=kernel.__name__, arch=arch, key=key, **values)
-                )
-                todo.setdefault(key, (kernel, signature, constexprs, attrs, options, target))
-    log = _ThreadLog()
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, contextlib.redirect_stdout(log):
-        futures = {key: pool.submit(_compile, *job, log) for key, job in todo.items()}
-        results = {key: future.result() for key, future in futures.items()}
-    for key, (kernel, signature, constexprs, _, options, target) in todo.items():
-        results[key]["desc"] = _describe(kernel, signature, constexprs, options, target.arch)
+    launches, results = _compile_launches(cases, lambda case, _num_sms: _record_moe_launches(case))
     report = dict(
         interpreted=tm.INTERPRETED, launches=launches, results=results, seconds=time.perf_counter() - start
     )
