@@ -107,15 +107,19 @@ def hf_reference(
     return tokens, logprobs
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
-def setup(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, dict]:
+def hf_references(model_dir: Path, cases: dict[str, dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """`hf_reference` of each case, with one transformers model and one mmserve processor."""
     from transformers import AutoModelForImageTextToText
 
-    model_dir = tiny_model_dir(request.param)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(model_dir)
-    expected = {name: hf_reference(model, model_dir, llm, case) for name, case in CASES.items()}
-    return model_dir, expected
+    return {name: hf_reference(model, model_dir, llm, case) for name, case in cases.items()}
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def setup(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, dict]:
+    model_dir = tiny_model_dir(request.param)
+    return model_dir, hf_references(model_dir, CASES)
 
 
 def check(llm: LLM, names: list[str], expected: dict) -> None:

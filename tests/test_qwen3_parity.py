@@ -13,13 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
 from mmserve.models.config import DecoderConfig
-from tests.test_mm_parity import GREEDY
-from tests.test_mm_parity import hf_reference as mm_reference
+from tests.test_mm_parity import GREEDY, hf_references
 from tests.test_parity import GREEDY as TEXT_GREEDY
 from tests.test_parity import hf_reference, random_prompts
 
@@ -117,13 +115,8 @@ MM_CASES: dict[str, dict] = {**IMAGE_CASES, **VIDEO_CASES}
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
 def mm_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple[Path, dict]:
-    from transformers import AutoModelForImageTextToText
-
     model_dir = tiny_model_dir(request.param)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model_dir)
-    expected = {name: mm_reference(model, model_dir, llm, case) for name, case in MM_CASES.items()}
-    return model_dir, expected
+    return model_dir, hf_references(model_dir, MM_CASES)
 
 
 def check_mm(llm: LLM, names: list[str], expected: dict) -> None:

@@ -250,7 +250,7 @@ def test_qwen3_moe_families_equal_tp1_and_transformers(
     from transformers import AutoModelForImageTextToText
 
     from tests.test_qwen3_parity import GREEDY as QWEN3_GREEDY
-    from tests.test_qwen3_parity import MM_CASES, mm_reference
+    from tests.test_qwen3_parity import MM_CASES
 
     text_dir = tiny_model_dir("qwen3_moe")
     prompts = random_prompts(PLAIN_TOKENS, (1, 9, 64, 133), seed=31)
