@@ -136,6 +136,12 @@ def test_mm_token_budget_smaller_than_one_image(mm_case: tuple) -> None:
     check_mm(LLM(model_dir, max_num_batched_tokens=7), list(MM_CASES), expected)
 
 
+@pytest.mark.parametrize("policy", ["slo", "priority"])
+def test_mm_other_scheduling_policies(mm_case: tuple, policy: str) -> None:
+    model_dir, expected = mm_case
+    check_mm(LLM(model_dir, scheduler_policy=policy, max_num_batched_tokens=32), list(MM_CASES), expected)
+
+
 def test_mm_preemption(mm_case: tuple) -> None:
     model_dir, expected = mm_case
     llm = LLM(model_dir, num_kv_blocks=8, block_size=16, max_num_batched_tokens=32)
