@@ -237,23 +237,8 @@ def smart_resize(
 ) -> tuple[int, int]:
     """Qwen2-VL's resize rule: sides multiples of `factor`, area within [min_pixels, max_pixels], aspect
     ratio kept as closely as possible. Raises `InvalidRequestError` (a ValueError) for a ratio over 200."""
-    if height < 1 or width < 1:
-        raise InvalidRequestError(f"has an empty size {width}x{height}")
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise InvalidRequestError(
-            f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds {MAX_ASPECT_RATIO} ({width}x{height})"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    _check_size(height, width)
+    return _bounded_sides(height, width, factor, min_pixels, max_pixels)
 
 
 def smart_resize_clip(
@@ -267,24 +252,36 @@ def smart_resize_clip(
 ) -> tuple[int, int]:
     """Qwen3-VL's video resize rule: as `smart_resize`, but the bounds are on frames (rounded to the temporal
     factor) x height x width, and a frame with a side under `factor` is first scaled up to reach it."""
-    if height < 1 or width < 1:
-        raise InvalidRequestError(f"has an empty size {width}x{height}")
-    if height < factor or width < factor:
+    if height >= 1 and width >= 1 and (height < factor or width < factor):
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
+    _check_size(height, width)
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    return _bounded_sides(height, width, factor, min_pixels, max_pixels, num_frames, t_bar)
+
+
+def _check_size(height: int, width: int) -> None:
+    if height < 1 or width < 1:
+        raise InvalidRequestError(f"has an empty size {width}x{height}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise InvalidRequestError(
             f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds {MAX_ASPECT_RATIO} ({width}x{height})"
         )
+
+
+def _bounded_sides(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1, frames_bar: int = 1
+) -> tuple[int, int]:
+    """Sides rounded to multiples of `factor`, then scaled so that frames_bar x height x width (frames_bar:
+    the frame count as rounded; `frames` as given scales the correction) lies within the pixel bounds."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
+    if frames_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
+    elif frames_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
