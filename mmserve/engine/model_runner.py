@@ -29,8 +29,7 @@ from mmserve.encoders.vision import VisionTower
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
-from mmserve.kernels import dispatch
-from mmserve.kernels.dispatch import get_attention_backend
+from mmserve.kernels.dispatch import get_attention_backend, get_moe_backend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import Decoder, DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
@@ -70,7 +69,7 @@ class ModelRunner:
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
         with torch.device("meta"):
-            fused_moe = dispatch.get_moe_backend(device).fused_moe if cfg.moe_layers else None
+            fused_moe = get_moe_backend(device).fused_moe if cfg.moe_layers else None
             model = Decoder(cfg, self.backend, tp, fused_moe)
         model = model.to_empty(device="cpu")
         if cfg.tie_word_embeddings:
