@@ -339,9 +339,15 @@ def test_launch_values_are_the_gpu_ones(report: dict) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_engine_launches_compile(report: dict, case: dict) -> None:
-    launches = report["launches"][case["id"]]
+    failures = _compile_failures(report, case["id"])
+    assert not failures, "\n".join(dict.fromkeys(failures))
+
+
+def _compile_failures(report: dict, case_id: str) -> list[str]:
+    """What went wrong compiling each of a case's launches: an error, no cubin or a stage missing, no ptxas
+    spill report, or register spills."""
     failures = []
-    for launch in launches:
+    for launch in report["launches"][case_id]:
         result = report["results"][launch["key"]]
         where = f"{launch['batch']}: {result['desc']}"
         if not result["ok"]:
@@ -356,7 +362,7 @@ def test_engine_launches_compile(report: dict, case: dict) -> None:
             failures.append(
                 f"{where}\n  spills {result['spill_bytes']} bytes ({result['registers']} registers)"
             )
-    assert not failures, "\n".join(dict.fromkeys(failures))
+    return failures
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
@@ -498,20 +504,7 @@ def test_moe_launch_values_are_the_gpu_ones(moe_report: dict) -> None:
 
 @pytest.mark.parametrize("case", MOE_CASES, ids=[c["id"] for c in MOE_CASES])
 def test_moe_launches_compile(moe_report: dict, case: dict) -> None:
-    failures = []
-    for launch in moe_report["launches"][case["id"]]:
-        result = moe_report["results"][launch["key"]]
-        where = f"{launch['batch']}: {result['desc']}"
-        if not result["ok"]:
-            failures.append(f"{where}\n  {result['error']}")
-        elif not result["cubin_bytes"] or not set(STAGES) <= set(result["stages"]):
-            failures.append(f"{where}\n  no cubin or stages missing: {result['stages']}")
-        elif result["spill_bytes"] is None:
-            failures.append(f"{where}\n  no spill report in the ptxas log")
-        elif result["spill_bytes"]:
-            failures.append(
-                f"{where}\n  spills {result['spill_bytes']} bytes ({result['registers']} registers)"
-            )
+    failures = _compile_failures(moe_report, case["id"])
     assert not failures, "\n".join(dict.fromkeys(failures))
 
 
