@@ -39,8 +39,9 @@ VID_ODD = rng_video(5, 5)
 VID_LONG = rng_video(6, 16, 84, 56)  # 8 temporal groups
 
 
-def user(*parts: str) -> str:
-    """A templated prompt in Qwen2-VL's format; parts are text or 'image' / 'video' markers."""
+def user(*parts: str, system: str | None = "You are a helpful assistant.") -> str:
+    """A templated prompt in the tiny models' format (Qwen2-VL's default system turn; `system=None` for
+    Qwen3's template, which has none); parts are text or 'image' / 'video' markers."""
     body = "".join(
         "<|vision_start|><|image_pad|><|vision_end|>"
         if p == "image"
@@ -49,7 +50,8 @@ def user(*parts: str) -> str:
         else p
         for p in parts
     )
-    return f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+    turn = "" if system is None else f"<|im_start|>system\n{system}<|im_end|>\n"
+    return f"{turn}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
 CASES: dict[str, dict] = {

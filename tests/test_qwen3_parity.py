@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from mmserve import LLM, SamplingParams
 from mmserve.models.config import DecoderConfig
-from tests.test_mm_parity import GREEDY, hf_references
+from tests.test_mm_parity import GREEDY, hf_references, rng_image, rng_video
+from tests.test_mm_parity import user as qwen2_user
 from tests.test_parity import GREEDY as TEXT_GREEDY
 from tests.test_parity import hf_reference, random_prompts
 
@@ -73,25 +72,9 @@ def test_text_preemption(text_case: tuple) -> None:
 # ------------------------------------------------------------------------------------------ multimodal
 
 
-def rng_image(seed: int, width: int, height: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8))
-
-
-def rng_video(seed: int, frames: int, width: int = 64, height: int = 64) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 255, (frames, height, width, 3), dtype=np.uint8)
-
-
 def user(*parts: str) -> str:
-    """A prompt in the tiny Qwen3 template's format; parts are text or 'image' / 'video' markers."""
-    body = "".join(
-        "<|vision_start|><|image_pad|><|vision_end|>"
-        if p == "image"
-        else "<|vision_start|><|video_pad|><|vision_end|>"
-        if p == "video"
-        else p
-        for p in parts
-    )
-    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+    """A prompt in the tiny Qwen3 template's format (no default system turn)."""
+    return qwen2_user(*parts, system=None)
 
 
 IMG_ODD = rng_image(2, 150, 100)  # resized to 96x160: 15 tokens
@@ -102,12 +85,12 @@ IMAGE_CASES: dict[str, dict] = {
     "two_images": {"prompt": user("image", "and", "image", "compare"), "images": [IMG_BIG, IMG_ODD]},
 }
 VIDEO_CASES: dict[str, dict] = {
-    "video_even": {"prompt": user("video", "What happens?"), "videos": [rng_video(4, 6)]},
+    "video_even": {"prompt": user("video", "What happens?"), "videos": [rng_video(4, 6, 64, 64)]},
     "video_odd": {"prompt": user("video", "Describe the clip."), "videos": [rng_video(5, 5, 96, 64)]},
     "image_and_video": {
         "prompt": user("image", "then", "video", "?"),
         "images": [IMG_ODD],
-        "videos": [rng_video(6, 4)],
+        "videos": [rng_video(6, 4, 64, 64)],
     },
 }
 MM_CASES: dict[str, dict] = {**IMAGE_CASES, **VIDEO_CASES}
