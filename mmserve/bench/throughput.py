@@ -169,10 +169,10 @@ class ExpertTimer:
 def _expert_timer(llm: LLM) -> ExpertTimer | None:
     """A timer on the in-process runner's decoder, or None: a dense model (no SparseMoE), or ranks in
     other processes (tensor parallel), whose modules the bench cannot hook."""
-    runner = getattr(llm.engine.executor, "_runner", None)
-    if runner is None:
+    model = llm.engine.executor.local_model()
+    if model is None:
         return None
-    timer = ExpertTimer(runner.model)
+    timer = ExpertTimer(model)
     if timer.num_modules == 0:
         timer.close()
         return None

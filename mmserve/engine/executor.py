@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from torch import nn
+
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.sampler import GrammarBitmask
 from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +38,10 @@ class Executor(Protocol):
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """(requests the workers keep state for, their encoder-cache keys): for leak checks."""
+        ...
+
+    def local_model(self) -> nn.Module | None:
+        """The whole decoder when it runs in this process (benchmarks hook its modules), else None."""
         ...
 
     def check_health(self) -> None:
@@ -68,6 +74,9 @@ class InProcessExecutor:
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         return self._runner.held_state()
+
+    def local_model(self) -> nn.Module | None:
+        return self._runner.model
 
     def check_health(self) -> None:
         return None  # the runner lives in this thread: nothing can die apart from it

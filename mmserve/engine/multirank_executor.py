@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import zmq
+from torch import nn
 from zmq.utils.monitor import recv_monitor_message
 
 from mmserve.distributed.group import TensorParallelGroup
@@ -265,6 +266,9 @@ class MultiRankExecutor:
 
     def weight_bytes(self) -> int:
         return self._runner.weight_bytes()
+
+    def local_model(self) -> nn.Module | None:
+        return None  # this process holds only the first rank's shard
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """Over every rank: the most requests any keeps state for, and the union of encoder keys."""
