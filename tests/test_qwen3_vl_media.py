@@ -12,6 +12,7 @@ import torch
 
 from mmserve.encoders.vision import VisionTower
 from mmserve.tiny_model import make_tiny_model
+from tests.test_media import make_clip
 
 
 @pytest.fixture(scope="module")
@@ -230,25 +231,8 @@ def test_video_grids_equal_qwen3_video_processor(qwen3_dir: Path, cap: bool) -> 
 
 
 def _clip(num_frames: int, fps: int, size: tuple[int, int] = (96, 64)) -> bytes:
-    """An H.264 mp4 of `num_frames` frames at `fps` (frame i: grey 8 * i with a red band), made with PyAV."""
-    import io
-
-    import av
-    import numpy as np
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
-        stream.options = {"crf": "0", "preset": "ultrafast"}
-        for i in range(num_frames):
-            rgb = np.full((size[1], size[0], 3), 8 * i % 256, np.uint8)
-            rgb[:4, :] = (255, 0, 0)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    """An H.264 mp4 of `num_frames` frames at `fps` (test_media's synthetic clip, 96x64 by default)."""
+    return make_clip(num_frames, fps, size)
 
 
 @pytest.mark.parametrize(("num_frames", "source_fps", "sample_fps"), [(7, 4, 4.0), (6, 4, 4.0), (14, 8, 2.0), (12, 8, 2.0)])
