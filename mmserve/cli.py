@@ -229,10 +229,29 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="tokens of the step's token budget that each embedding token the encoder computes uses up, so "
         "steps that encode prefill less (default 0: the encoder has only its own budget)",
     )
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (and per prefix-cache hash)")
     _add_slo_flags(serve)
     _add_parallel_flags(serve)
+    _add_replica_flags(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("replicas (behind a router such as vllm-router)")
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help='publish KV cache events in vLLM\'s format (its --kv-events-config), e.g. \'{"enable_kv_cache_events": '
+        'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
+    g.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="also export the scheduler gauges under vLLM's names (vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc...) for gateway scorers and autoscalers that read them",
     )
 
 
@@ -296,7 +315,7 @@ def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import ServeOptions, run_server
     from mmserve.api.settings import ServerSettings
-    from mmserve.config import EngineArgs
+    from mmserve.config import EngineArgs, KVEventsConfig
     from mmserve.encoders.media import MediaLimits
 
     args.model = _model_or_fallback(args.model)
@@ -318,6 +337,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_encoder_tokens=args.max_num_encoder_tokens,
         chunk_encoder=not args.no_chunk_encoder,
         encoder_token_cost=args.encoder_token_cost,
+        block_size=args.block_size,
+        kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
         **_slo_engine_kwargs(args),
         **parallel_engine_kwargs(args),
     )
@@ -336,6 +357,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
         cors_allow_origins=tuple(o.strip() for o in args.cors_allow_origins.split(",") if o.strip()),
         shutdown_timeout_s=args.shutdown_timeout_s,
+        vllm_metric_names=args.vllm_metric_names,
     )
     if args.api_server_count < 1:
         print("mmserve: --api-server-count must be at least 1", file=sys.stderr)

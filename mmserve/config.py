@@ -87,6 +87,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # record what enters and leaves the prefix cache (`Scheduler.take_kv_events`)
 
     def __post_init__(self) -> None:
         _check_positive("block_size", self.block_size)
@@ -96,6 +97,64 @@ class CacheConfig:
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise InvalidRequestError(f"{name}: must be an integer >= 1, got {value!r}", param=name)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where the KV cache events go (vLLM's `--kv-events-config`, the same JSON keys and defaults): a ZeroMQ
+    PUB socket at `endpoint`, and with `replay_endpoint` a ROUTER socket that resends the last `buffer_steps`
+    batches from a given sequence number. A subscriber (vllm-router's `kv_aware` policy) connects to both."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" | "null"; None: "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark (messages queued per subscriber)
+    max_queue_size: int = 100_000  # batches waiting for the sending thread; beyond it the oldest is dropped
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher not in (None, "zmq", "null"):
+            raise InvalidRequestError(
+                f"kv_events_config.publisher: must be 'zmq' or 'null', got {self.publisher!r}", param="kv_events_config"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidRequestError(
+                    f"kv_events_config.{name}: must be an integer >= 1, got {getattr(self, name)!r}",
+                    param="kv_events_config",
+                )
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.partition("://")[0] in ("tcp", "ipc", "inproc")):
+                raise InvalidRequestError(
+                    f"kv_events_config.{name}: must be a ZeroMQ address such as tcp://*:5557, got {value!r}",
+                    param="kv_events_config",
+                )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are recorded and sent: enabled, and a publisher that sends."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """The `--kv-events-config` value: a JSON object of the fields above; unknown keys are refused."""
+        import json
+
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"kv_events_config: not JSON ({exc})", param="kv_events_config") from None
+        if not isinstance(fields, dict):
+            raise InvalidRequestError("kv_events_config: must be a JSON object", param="kv_events_config")
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise InvalidRequestError(
+                f"kv_events_config: unknown field(s) {', '.join(unknown)}", param="kv_events_config"
+            )
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -140,6 +199,8 @@ class EngineArgs:
     # The vision tower over the ranks: "data" (replicated; the step's media split over the ranks) or
     # "weights" (each block sharded like the decoder, for towers too large to replicate).
     mm_encoder_tp_mode: str = "data"
+    # -- replicas ---------------------------------------------------------------------------------------------
+    kv_events_config: KVEventsConfig | None = None  # publish what the prefix cache holds (for routers)
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -180,6 +241,12 @@ class EngineArgs:
         if self.step_time_model is not None:
             _check_step_time_model(self.step_time_model)
         CacheConfig(self.block_size, self.num_kv_blocks or 1, self.enable_prefix_caching)
+        events = self.kv_events_config
+        if events is not None and events.enabled and not self.enable_prefix_caching:
+            raise InvalidRequestError(
+                "kv_events_config: KV events announce prefix-cache blocks; they need prefix caching on",
+                param="kv_events_config",
+            )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's configuration, once `max_model_len` is resolved against the checkpoint."""

@@ -102,7 +102,17 @@ def create_app(
     store = MediaStore(
         settings.data_dir, limits, settings.max_image_upload_bytes, settings.max_video_upload_bytes, decoder
     )
-    metrics = MetricsExporter(engine.stats, model_name)
+    vllm_cache_config = None
+    if settings.vllm_metric_names:  # vLLM's label names and spellings (str(True) is "True")
+        vllm_cache_config = {
+            "block_size": str(engine.info.block_size),
+            "num_gpu_blocks": str(engine.info.num_kv_blocks),
+            "num_cpu_blocks": "0",
+            "enable_prefix_caching": str(engine.args.enable_prefix_caching),
+            "cache_dtype": "auto",
+            "prefix_caching_hash_algo": "sha256",
+        }
+    metrics = MetricsExporter(engine.stats, model_name, vllm_cache_config)
     engine.stat_loggers.append(metrics)
     state = ServerState(engine, settings, model_name, store, MediaResolver(store, settings), metrics,
                         int(time.time()), ConcurrencyLimiter(settings.max_concurrent_requests_per_key), model_names,

@@ -79,10 +79,49 @@ class _StatsCollector(Collector):
             yield counter("engine_core_bytes_out", "Bytes the engine core sent to the front ends.", loop.bytes_out)
 
 
-class MetricsExporter:
-    """One per app. Implements the engine's `StatLogger` protocol."""
+class _VllmNamesCollector(Collector):
+    """The scheduler's gauges under vLLM's own names and labels (`model_name`, `engine`), for what reads them:
+    the Gateway API Inference Extension's endpoint picker, llm-d's scorers, autoscalers. Same values as the
+    `mmserve:` ones."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], model: str) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats], model: str, cache_config: dict[str, str]) -> None:
+        self.stats, self.model, self.cache_config = stats, model, cache_config
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        labels, values = ["model_name", "engine"], [self.model, "0"]
+        for name, doc, value in (
+            ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily("vllm:" + name, doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        for name, doc, value in (
+            ("num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions),
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
+        ):  # fmt: skip
+            c = CounterMetricFamily("vllm:" + name, doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=list(self.cache_config))  # fmt: skip
+        info.add_metric(list(self.cache_config.values()), 1.0)
+        yield info
+
+
+class MetricsExporter:
+    """One per app. Implements the engine's `StatLogger` protocol.
+
+    `vllm_cache_config`: also export the scheduler gauges under vLLM's names, with these labels on
+    `vllm:cache_config_info` (None: mmserve's names only)."""
+
+    def __init__(
+        self, stats: Callable[[], SchedulerStats], model: str, vllm_cache_config: dict[str, str] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r, lbl = self.registry, ["model_name"]
@@ -137,6 +176,8 @@ class MetricsExporter:
             self._scrape = CollectorRegistry()
             multiprocess.MultiProcessCollector(self._scrape)
         self._scrape.register(_StatsCollector(stats, model, lambda: self._loop))
+        if vllm_cache_config is not None:
+            self._scrape.register(_VllmNamesCollector(stats, model, vllm_cache_config))
         self._last_token_time: dict[str, float] = {}  # request id -> time of its previous update
         self._lock = threading.Lock()
 

@@ -42,6 +42,7 @@ class ServerSettings(BaseModel):
     ws_send_queue_events: int = Field(default=1024, gt=0)  # events queued for a socket; beyond: dropped
     ws_send_timeout_s: float = Field(default=30.0, gt=0)  # one frame may wait this long to be sent
     cors_allow_origins: tuple[str, ...] = ()  # () : no CORS headers at all (browsers refuse cross-origin)
+    vllm_metric_names: bool = False  # /metrics also under vLLM's names (gateway scorers, autoscalers)
 
     @property
     def model_names(self) -> tuple[str, ...]:

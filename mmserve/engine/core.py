@@ -24,6 +24,7 @@ import torch
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from mmserve.engine.executor import Executor, InProcessExecutor
 from mmserve.engine.faults import EngineFatalError, StepFault
+from mmserve.engine.kv_event_publisher import KVEventPublisher
 from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.structured_output import StructuredOutputManager
@@ -64,36 +65,47 @@ class EngineCore:
             num_blocks * args.block_size,
         )
         self.scheduler_config: SchedulerConfig = args.scheduler_config(max_model_len)
-        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.executor: Executor
-        if self.tensor_parallel_size == 1:
-            runner = ModelRunner(
-                args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config
-            )
-            self.executor = InProcessExecutor(runner)
-        else:
-            from mmserve.engine.multirank_executor import MultiRankExecutor
-
-            self.executor = MultiRankExecutor(
-                args.model,
-                self.model_config,
-                self.hf_config,
-                self.device,
-                dtype_name,
-                self.dtype,
-                num_blocks,
-                args.block_size,
-                self.tensor_parallel_size,
-                args.distributed_timeout_s,
-                host=args.master_addr,
-                port=args.master_port,
-                num_local_ranks=args.tensor_parallel_local_ranks,
-                mm_encoder_tp_mode=args.mm_encoder_tp_mode,
-            )
+        events = args.kv_events_config if args.kv_events_config is not None and args.kv_events_config.enabled else None
+        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, events is not None)
+        # Bound before the model loads, so a busy port fails the start at once.
+        self._kv_events = KVEventPublisher(events) if events is not None else None
+        try:
+            self.executor = self._start_executor(dtype_name, num_blocks)
+        except BaseException:
+            if self._kv_events is not None:
+                self._kv_events.close()
+            raise
         # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
         # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
         self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
         self._structured: StructuredOutputManager | None = None  # made for the first constrained request
+
+    def _start_executor(self, dtype_name: str, num_blocks: int) -> Executor:
+        """The model on one device (in this process) or split over tensor-parallel rank processes."""
+        args = self.args
+        if self.tensor_parallel_size == 1:
+            runner = ModelRunner(
+                args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config
+            )
+            return InProcessExecutor(runner)
+        from mmserve.engine.multirank_executor import MultiRankExecutor
+
+        return MultiRankExecutor(
+            args.model,
+            self.model_config,
+            self.hf_config,
+            self.device,
+            dtype_name,
+            self.dtype,
+            num_blocks,
+            args.block_size,
+            self.tensor_parallel_size,
+            args.distributed_timeout_s,
+            host=args.master_addr,
+            port=args.master_port,
+            num_local_ranks=args.tensor_parallel_local_ranks,
+            mm_encoder_tp_mode=args.mm_encoder_tp_mode,
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -141,6 +153,12 @@ class EngineCore:
         return self._scheduler.has_unfinished_requests() or self._scheduler.has_unsent_diffs()
 
     def step(self) -> EngineCoreOutputs:
+        outputs = self._step()
+        if self._kv_events is not None:
+            self._kv_events.publish(self._scheduler.take_kv_events())
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
         scheduler, structured = self._scheduler, self._structured
         try:
@@ -246,6 +264,8 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (only the blocks no request holds are dropped from the cache)."""
         self._scheduler.reset_prefix_cache()
+        if self._kv_events is not None:
+            self._kv_events.publish(self._scheduler.take_kv_events())
         return True
 
     def inject_faults(self, action: str, request_ids: Iterable[str] = ()) -> None:
@@ -277,6 +297,8 @@ class EngineCore:
         """Stop the workers (tensor-parallel ranks); the core is unusable after."""
         if self._structured is not None:
             self._structured.close()
+        if self._kv_events is not None:
+            self._kv_events.close()
         self.executor.close()
 
     def _num_kv_blocks(self) -> int:

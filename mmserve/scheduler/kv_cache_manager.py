@@ -10,6 +10,7 @@ from array import array
 from collections import OrderedDict
 
 from mmserve.request import Request
+from mmserve.scheduler.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int], extra_keys: tuple[str, ...] = ()) -> bytes:
@@ -36,7 +37,9 @@ class KVCacheManager:
     when it is handed out for new tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, enable_kv_events: bool = False
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -49,6 +52,8 @@ class KVCacheManager:
         self.peak_num_used_blocks = 0
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # Hashes in and out of `_cached`, in order, until `take_events` (None: nobody listens).
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_events and enable_prefix_caching else None
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -82,6 +87,17 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits, len(hits) * self.block_size
+
+    def cached_block_hashes(self) -> frozenset[bytes]:
+        """The hashes a new request can hit now (what the KV events announce)."""
+        return frozenset(self._cached)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (empty when KV events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -146,9 +162,7 @@ class KVCacheManager:
         for index in range(num_written, len(blocks)):
             block_id, block_hash = blocks[index], self._block_hash[blocks[index]]
             if block_hash is not None and self._ref_cnt[block_id] == 1:
-                if self._cached.get(block_hash) == block_id:
-                    del self._cached[block_hash]
-                self._block_hash[block_id] = None
+                self._uncache(block_id, block_hash)
         for block_id in reversed(blocks):
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:
@@ -158,6 +172,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change)."""
+        if self._events is not None and self._cached:
+            self._events.append(AllBlocksCleared())
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
         self._req_num_hashed = dict.fromkeys(self._req_num_hashed, 0)
@@ -167,11 +183,21 @@ class KVCacheManager:
         block_id, _ = self._free.popitem(last=False)
         block_hash = self._block_hash[block_id]
         if block_hash is not None:
-            if self._cached.get(block_hash) == block_id:
-                del self._cached[block_hash]
-            self._block_hash[block_id] = None
+            self._uncache(block_id, block_hash)
         self._ref_cnt[block_id] = 1
         return block_id
+
+    def _uncache(self, block_id: int, block_hash: bytes) -> None:
+        """The block's content no longer counts as `block_hash` (it will be overwritten, or never was written)."""
+        if self._cached.get(block_hash) == block_id:
+            del self._cached[block_hash]
+            if self._events is not None:
+                last = self._events[-1] if self._events else None
+                if isinstance(last, BlockRemoved):  # one event for a run of removals
+                    self._events[-1] = BlockRemoved((*last.block_hashes, block_hash))
+                else:
+                    self._events.append(BlockRemoved((block_hash,)))
+        self._block_hash[block_id] = None
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the hashes of the request's blocks that are full once `num_tokens` are computed."""
@@ -183,22 +209,51 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         held = self._req_blocks[request.request_id]
+        stored: list[int] = []  # indices of the blocks whose hash entered the cache now
         for i in range(start, num_full):
             block_hash = request.block_hashes[i]
             if block_hash not in self._cached and self._block_hash[held[i]] is None:
                 self._cached[block_hash] = held[i]
                 self._block_hash[held[i]] = block_hash
+                stored.append(i)
         self._req_num_hashed[request.request_id] = num_full
+        if self._events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One `BlockStored` per run of consecutive block indices of `request`."""
+        bs, hashes = self.block_size, request.block_hashes
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(hashes[first:end]),
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=tuple(request.all_token_ids[first * bs : end * bs]),
+                    block_size=bs,
+                    extra_keys=tuple(self._block_mm_hashes(request, i, bs) or None for i in run),
+                )
+            )
+
+    @staticmethod
+    def _block_mm_hashes(request: Request, index: int, block_size: int) -> tuple[str, ...]:
+        start, end = index * block_size, (index + 1) * block_size
+        return tuple(
+            mm.mm_hash
+            for mm in request.mm_inputs
+            if mm.placeholder.offset < end and start < mm.placeholder.offset + mm.placeholder.length
+        )
 
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_tokens // bs):
-            start, end = i * bs, (i + 1) * bs
-            extra = tuple(
-                mm.mm_hash
-                for mm in request.mm_inputs
-                if mm.placeholder.offset < end and start < mm.placeholder.offset + mm.placeholder.length
-            )
             parent = hashes[i - 1] if i else b""
-            hashes.append(hash_block(parent, request.all_token_ids[start:end], extra))
+            extra = self._block_mm_hashes(request, i, bs)
+            hashes.append(hash_block(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra))

@@ -21,6 +21,7 @@ from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.request import Request, RequestStatus, ServiceClass
 from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderGrant, EncoderKey
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
+from mmserve.scheduler.kv_events import KVCacheEvent
 from mmserve.scheduler.output import (
     EncoderWork,
     EngineCoreOutput,
@@ -88,7 +89,10 @@ class Scheduler:
             step_time_model = StepTimeModel.load(path) if path is not None else StepTimeModel()
         self.step_time = step_time_model  # corrected online by record_step_time()
         self.kv = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.enable_kv_events,
         )
         self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.requests: dict[str, Request] = {}
@@ -203,6 +207,10 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """What entered and left the prefix cache since the last call, in order (empty unless enabled)."""
+        return self.kv.take_events()
 
     def request_ids(self) -> list[str]:
         """Every request the scheduler holds (waiting or running)."""
