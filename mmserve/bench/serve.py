@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -511,19 +511,31 @@ class ServerProcess:
     loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to a
     temporary file, whose tail is raised when the server fails to come up."""
 
-    def __init__(self, model: Path, startup_timeout_s: float = 300.0, **engine_kwargs: Any) -> None:
-        """`engine_kwargs`: EngineArgs fields that `mmserve serve` has flags for (None: its default)."""
-        import httpx
-
+    def __init__(
+        self,
+        model: Path,
+        startup_timeout_s: float = 300.0,
+        *,
+        port: int | None = None,
+        served_model_name: str = "bench",
+        extra_args: Sequence[str] = (),
+        wait: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
+        """`engine_kwargs`: EngineArgs fields that `mmserve serve` has flags for (None: its default);
+        `extra_args`: more flags as given. `port` None: a free one. `wait` False: `wait_until_up` later."""
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.startup_timeout_s = startup_timeout_s
         # No queue cap below the benchmark's own load, as InProcessServer.
         cmd = [sys.executable, "-m", "mmserve", "serve", "--model", str(model), "--port", str(port),
-               "--served-model-name", "bench", "--log-level", "warning",
-               "--max-waiting-requests", str(1 << 20)]  # fmt: skip
+               "--served-model-name", served_model_name, "--log-level", "warning",
+               "--max-waiting-requests", str(1 << 20), *extra_args]  # fmt: skip
         for name, value in engine_kwargs.items():
             if name == "chunk_encoder":
                 cmd += [] if value else ["--no-chunk-encoder"]
@@ -533,25 +545,33 @@ class ServerProcess:
                 cmd += [f"--{name.replace('_', '-')}", str(value)]
         env = {**os.environ, "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
         env.pop("MMSERVE_API_KEY", None)
-        log_path = Path(self._tmp.name) / "server.log"
-        self._log = log_path.open("w")
+        self.log_path = Path(self._tmp.name) / "server.log"
+        self._log = self.log_path.open("w")
         self.proc: subprocess.Popen | None = None
         try:  # whatever happens before it is up (Ctrl-C included), no child or temp dir is left behind
             self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + startup_timeout_s
-            while True:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self._log.flush()
-                    raise RuntimeError(f"the server did not come up: {log_path.read_text()[-2000:]}")
-                try:
-                    if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            if wait:
+                self.wait_until_up()
         except BaseException:
             self.close()
             raise
+
+    def wait_until_up(self) -> None:
+        """Until /health answers 200; raises with the log's tail if the server exits or times out first."""
+        import httpx
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._log.flush()
+                raise RuntimeError(f"the server did not come up: {self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,494 @@
+"""`mmserve bench router`: mmserve replicas behind vllm-router (PyPI), routing policies side by side on a
+prefix-heavy multimodal workload — families of requests that share an image and a system prompt.
+
+Per policy: the replicas' prefix-cache hit rate (summed from their /metrics), output tok/s and TTFT as the
+client saw them through the router, and how well each family stuck to one replica. Which replica served a
+request is read off the replicas' own KV events: the request's last full prompt block (its own text, no other
+request has it) is announced by the replica that computed it.
+
+Also the harness the router tests use: `Replica` (`mmserve serve` with KV events, killable and restartable on
+the same ports), `RouterProcess` (vllm-router over given replicas) and `KVEventLog` (a ZeroMQ subscriber).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from mmserve.bench.metrics import RequestTiming, compute_metrics
+from mmserve.bench.serve import (
+    BenchRequest,
+    ServerProcess,
+    _png_data_url,
+    _random_text,
+    cache_figures,
+    scrape_cache_counters,
+    send_http,
+)
+
+POLICIES = ("round_robin", "cache_aware", "kv_aware")
+SERVED_MODEL_NAME = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_router_binary() -> str:
+    """The `vllm-router` executable beside this Python (its venv), else on PATH."""
+    candidate = Path(sys.executable).parent / "vllm-router"
+    found = str(candidate) if candidate.exists() else shutil.which("vllm-router")
+    if found is None:
+        raise RuntimeError("vllm-router is not installed: pip install vllm-router")
+    return found
+
+
+# -- replicas -----------------------------------------------------------------------------------------------
+
+
+class Replica:
+    """One `mmserve serve` replica on fixed ports (HTTP, KV events, their replay), publishing KV events and
+    vLLM's gauge names. `kill` is a crash (SIGKILL: no drain); `start` again brings it back on the same ports."""
+
+    def __init__(self, model: Path, num_kv_blocks: int = 256, block_size: int = 16, extra_args: tuple[str, ...] = ()):
+        self.model, self.num_kv_blocks, self.block_size, self.extra_args = model, num_kv_blocks, block_size, extra_args
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.events_endpoint = f"tcp://127.0.0.1:{self.events_port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
+        self.server: ServerProcess | None = None
+
+    def start(self, wait: bool = True) -> Replica:
+        events = msgspec.json.encode({"enable_kv_cache_events": True, "endpoint": self.events_endpoint,
+                                      "replay_endpoint": self.replay_endpoint}).decode()  # fmt: skip
+        self.server = ServerProcess(
+            self.model,
+            port=self.port,
+            served_model_name=SERVED_MODEL_NAME,
+            wait=wait,
+            extra_args=("--kv-events-config", events, "--vllm-metric-names", "--decode-workers", "1",
+                        "--num-kv-blocks", str(self.num_kv_blocks), "--block-size", str(self.block_size),
+                        *self.extra_args),
+        )
+        return self
+
+    def wait_until_up(self) -> None:
+        assert self.server is not None
+        self.server.wait_until_up()
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.proc.pid if self.server is not None and self.server.proc is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL the server: its engine core and decode workers exit on their parent's death."""
+        if self.server is not None and self.server.proc is not None:
+            self.server.proc.kill()
+            self.server.proc.wait()
+            self.server.close()
+            self.server = None
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def start_replicas(model: Path, n: int, **kwargs: Any) -> list[Replica]:
+    """`n` replicas started together (their start-ups overlap); all closed again if one fails."""
+    replicas = [Replica(model, **kwargs) for _ in range(n)]
+    try:
+        for replica in replicas:
+            replica.start(wait=False)
+        for replica in replicas:
+            replica.wait_until_up()
+    except BaseException:
+        for replica in replicas:
+            replica.close()
+        raise
+    return replicas
+
+
+# -- the router ---------------------------------------------------------------------------------------------
+
+
+class RouterProcess:
+    """vllm-router over `replicas` with `policy`, on loopback, health-checking every second (so a dead replica
+    leaves the rotation quickly and a restarted one rejoins). `kv_aware` subscribes to the replicas' KV events."""
+
+    def __init__(
+        self,
+        policy: str,
+        replicas: list[Replica],
+        model: Path,
+        extra_args: tuple[str, ...] = (),
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [vllm_router_binary(), "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+               "--worker-urls", *(r.url for r in replicas),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
+               "--health-failure-threshold", "1", "--health-success-threshold", "1",
+               "--log-level", "warning"]  # fmt: skip
+        if policy == "kv_aware":
+            cmd += ["--kv-event-model", str(model), "--kv-event-block-size", str(replicas[0].block_size)]
+            for r in replicas:
+                cmd += ["--kv-event-source", f"{r.url}={r.events_endpoint}"]
+                cmd += ["--kv-event-replay-source", f"{r.url}={r.replay_endpoint}"]
+        cmd += list(extra_args)
+        self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-router-")
+        self.log_path = Path(self._tmp.name) / "router.log"
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_until_up(startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_until_up(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._log.flush()
+                raise RuntimeError(f"vllm-router did not come up: {self.log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:  # every worker healthy
+                    return
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        self._tmp.cleanup()
+
+
+# -- KV events, as a router sees them ------------------------------------------------------------------------
+
+
+@dataclass
+class _ReplicaEvents:
+    held: set[bytes] = field(default_factory=set)  # hashes announced and not removed
+    stored_blocks: set[tuple[int, ...]] = field(default_factory=set)  # token ids of every block ever stored
+    stored_hashes: list[bytes] = field(default_factory=list)  # in announcement order
+    chains_ok: bool = True  # every BlockStored's hashes follow from its tokens, media keys and parent
+    num_batches: int = 0
+    last_seq: int | None = None
+
+
+class KVEventLog:
+    """Subscribes to each replica's KV event endpoint on a thread (ZeroMQ SUB) and applies the batches."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        import zmq
+
+        from mmserve.scheduler.kv_cache_manager import hash_block
+
+        self._hash_block = hash_block
+        self._context = zmq.Context()
+        self._sockets = {}
+        self.by_url: dict[str, _ReplicaEvents] = {}
+        for r in replicas:
+            sub = self._context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(r.events_endpoint)
+            self._sockets[r.url] = sub
+            self.by_url[r.url] = _ReplicaEvents()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-event-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        for sub in self._sockets.values():
+            poller.register(sub, zmq.POLLIN)
+        url_of = {sub: url for url, sub in self._sockets.items()}
+        while not self._stop.is_set():
+            for sub, _ in poller.poll(100):
+                _, seq, payload = sub.recv_multipart()
+                self._apply(url_of[sub], int.from_bytes(seq, "big"), payload)
+
+    def _apply(self, url: str, seq: int, payload: bytes) -> None:
+        _, events, *_ = msgspec.msgpack.decode(payload)  # untyped: the wire as any subscriber reads it
+        with self._lock:
+            log = self.by_url[url]
+            log.num_batches += 1
+            log.last_seq = seq
+            for event in events:
+                kind = event["type"]
+                if kind == "BlockStored":
+                    bs, parent = event["block_size"], event["parent_block_hash"] or b""
+                    keys = event["extra_keys"] or [None] * len(event["block_hashes"])
+                    for i, block_hash in enumerate(event["block_hashes"]):
+                        tokens = event["token_ids"][i * bs : (i + 1) * bs]
+                        log.chains_ok &= self._hash_block(parent, tokens, tuple(keys[i] or ())) == block_hash
+                        log.stored_blocks.add(tuple(tokens))
+                        log.stored_hashes.append(block_hash)
+                        log.held.add(block_hash)
+                        parent = block_hash
+                elif kind == "BlockRemoved":
+                    log.held.difference_update(event["block_hashes"])
+                elif kind == "AllBlocksCleared":
+                    log.held.clear()
+
+    def snapshot(self, url: str) -> _ReplicaEvents:
+        with self._lock:
+            log = self.by_url[url]
+            return _ReplicaEvents(set(log.held), set(log.stored_blocks), list(log.stored_hashes), log.chains_ok,
+                                  log.num_batches, log.last_seq)  # fmt: skip
+
+    def served_by(self, block_tokens: tuple[int, ...]) -> list[str]:
+        """The replicas that stored a block with exactly these tokens."""
+        with self._lock:
+            return [url for url, log in self.by_url.items() if block_tokens in log.stored_blocks]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for sub in self._sockets.values():
+            sub.close(linger=0)
+        self._context.term()
+
+
+# -- the workload -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FamilyRequest:
+    family: int
+    request: BenchRequest
+
+
+def family_requests(
+    num_families: int,
+    requests_per_family: int,
+    system_len: int,
+    user_len: int,
+    output_len: int,
+    image_size: int,
+    seed: int,
+    tokenizer: Any | None,
+) -> list[FamilyRequest]:
+    """Each family: one image and one system prompt of about `system_len` tokens; each request of it adds a user
+    text of its own (about `user_len` tokens, a numbered opening so no two are alike). Families interleave in
+    random order, as independent users' conversations would."""
+    rng, np_rng = random.Random(seed), np.random.default_rng(seed)
+    families = [(_png_data_url(np_rng, image_size), _random_text(rng, system_len, tokenizer)) for _ in range(num_families)]
+    out: list[FamilyRequest] = []
+    for f, (image, system) in enumerate(families):
+        for i in range(requests_per_family):
+            user = f"Request {seed}-{f}-{i}: " + _random_text(rng, user_len, tokenizer)
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": user}]},
+            ]  # fmt: skip
+            out.append(FamilyRequest(f, BenchRequest(messages, output_len)))
+    rng.shuffle(out)
+    return out
+
+
+async def _prompt_tokens(client: Any, url: str, req: BenchRequest) -> list[int]:
+    r = await client.post(f"{url}/tokenize", json={"model": SERVED_MODEL_NAME, "messages": req.messages})
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def last_full_block(tokens: list[int], block_size: int) -> tuple[int, ...]:
+    """The last block of the prompt that the KV cache registers (full, and not the block of its last token)."""
+    k = (len(tokens) - 1) // block_size - 1
+    if k < 0:
+        raise ValueError("a prompt needs at least two blocks to be attributed to a replica")
+    return tuple(tokens[k * block_size : (k + 1) * block_size])
+
+
+async def run_policy(
+    policy: str,
+    replicas: list[Replica],
+    model: Path,
+    requests: list[FamilyRequest],
+    concurrency: int,
+) -> dict:
+    """One policy's run: a router over the replicas, the requests at `concurrency` in flight, then the figures."""
+    import httpx
+
+    log = KVEventLog(replicas)
+    router = RouterProcess(policy, replicas, model)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            blocks = [last_full_block(await _prompt_tokens(client, replicas[0].url, fr.request), replicas[0].block_size)
+                      for fr in requests]  # fmt: skip
+            before = [await scrape_cache_counters(client, r.url) for r in replicas]
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            for i in range(len(requests)):
+                queue.put_nowait(i)
+            timings: list[RequestTiming | None] = [None] * len(requests)
+
+            async def worker() -> None:
+                while not queue.empty():
+                    i = queue.get_nowait()
+                    timings[i] = await send_http(client, router.url, requests[i].request, {})
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            duration = time.perf_counter() - start
+            after = [await scrape_cache_counters(client, r.url) for r in replicas]
+        await asyncio.sleep(0.5)  # the last steps' events
+        served = [log.served_by(block) for block in blocks]
+        chains_ok = all(log.snapshot(r.url).chains_ok for r in replicas)
+    finally:
+        router.close()
+        log.close()
+    done = [t for t in timings if t is not None]
+    total_before = _sum_counters(before)
+    total_after = _sum_counters(after)
+    figures = {"policy": policy, **compute_metrics(done, duration), **cache_figures(total_before, total_after)}
+    figures["requests_per_replica"] = dict(Counter(s[0] if len(s) == 1 else "unknown" for s in served))
+    figures["family_stickiness"] = family_stickiness([fr.family for fr in requests], served)
+    figures["kv_event_chains_ok"] = chains_ok
+    return figures
+
+
+def _sum_counters(per_replica: list[dict[str, float] | None]) -> dict[str, float] | None:
+    if any(c is None for c in per_replica):
+        return None
+    total: dict[str, float] = {}
+    for counters in per_replica:
+        assert counters is not None
+        for name, value in counters.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
+
+
+def family_stickiness(families: list[int], served: list[list[str]]) -> float:
+    """Over families, the share of a family's requests served by the replica that served most of them
+    (1.0: every family on one replica; about 1/replicas for a router blind to content)."""
+    by_family: dict[int, Counter[str]] = {}
+    for family, replicas in zip(families, served, strict=True):
+        by_family.setdefault(family, Counter())[replicas[0] if len(replicas) == 1 else "unknown"] += 1
+    shares = [max(c.values()) / sum(c.values()) for c in by_family.values()]
+    return float(np.mean(shares))
+
+
+def bench_router(
+    model: Path,
+    policies: tuple[str, ...] = POLICIES,
+    num_replicas: int = 2,
+    num_families: int = 4,
+    requests_per_family: int = 12,
+    concurrency: int = 4,
+    system_len: int = 96,
+    user_len: int = 48,
+    output_len: int = 16,
+    image_size: int = 64,
+    seed: int = 0,
+    num_kv_blocks: int = 1024,
+) -> dict:
+    """Every policy over the same replicas. Each policy gets a workload of its own draw (other images and
+    prompts, the same shape), so none finds another's families in the caches."""
+    from mmserve.bench.serve import _load_tokenizer
+
+    tokenizer = _load_tokenizer(model)
+    replicas = start_replicas(model, num_replicas, num_kv_blocks=num_kv_blocks)
+    try:
+        results = {}
+        for k, policy in enumerate(policies):
+            requests = family_requests(num_families, requests_per_family, system_len, user_len, output_len,
+                                       image_size, seed * 1000 + k, tokenizer)  # fmt: skip
+            results[policy] = asyncio.run(run_policy(policy, replicas, model, requests, concurrency))
+    finally:
+        for replica in replicas:
+            replica.close()
+    report = {
+        "config": {"model": str(model), "policies": list(policies), "num_replicas": num_replicas,
+                   "num_families": num_families, "requests_per_family": requests_per_family,
+                   "concurrency": concurrency, "system_len": system_len, "user_len": user_len,
+                   "output_len": output_len, "image_size": image_size, "seed": seed,
+                   "num_kv_blocks": num_kv_blocks},
+        "results": results,
+    }  # fmt: skip
+    base = results.get("round_robin")
+    if base is not None:
+        report["vs_round_robin"] = {
+            policy: {
+                "output_throughput": r["output_throughput"] / base["output_throughput"],
+                "prefix_cache_hit_rate": _ratio(r["server_prefix_cache_hit_rate"], base["server_prefix_cache_hit_rate"]),
+                "ttft_median": _ratio(r["median_ttft_ms"], base["median_ttft_ms"]),
+            }
+            for policy, r in results.items()
+        }  # fmt: skip
+    return report
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def format_report(report: dict) -> str:
+    lines = ["policy        tok/s   prefix hit  mm hit  TTFT p50 ms  p90 ms  stickiness  failed"]
+    for policy, r in report["results"].items():
+        lines.append(
+            f"{policy:<12} {r['output_throughput']:7.1f}   {_pct(r['server_prefix_cache_hit_rate'])}"
+            f"     {_pct(r['server_mm_cache_hit_rate'])}  {r['median_ttft_ms']:9.1f}  {r['p90_ttft_ms']:7.1f}"
+            f"  {r['family_stickiness']:9.2f}  {r['failed']:6d}"
+        )
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "   n/a" if value is None else f"{100 * value:5.1f}%"
+
+
+def plot_router(report: dict, out_dir: Path) -> list[Path]:
+    from mmserve.bench.plots import _pyplot
+
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = report["results"]
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    panels = (("output_throughput", "output tok/s"), ("server_prefix_cache_hit_rate", "prefix-cache hit rate"),
+              ("median_ttft_ms", "TTFT median (ms)"))  # fmt: skip
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        ax.bar(names, [results[n][key] or 0.0 for n in names], color=["#888", "#4a7", "#47a"][: len(names)])
+        ax.set_title(title)
+    fig.suptitle(f"{report['config']['num_replicas']} replicas behind vllm-router, "
+                 f"{report['config']['num_families']} prefix families")  # fmt: skip
+    fig.tight_layout()
+    path = out_dir / "router.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,322 @@
+"""mmserve replicas behind the real vllm-router (PyPI), all on loopback: routing of chat and streams, what a
+router reads of a replica (health, vLLM's gauge names, KV events in vLLM's format), prefix-aware routing by
+those signals, and a replica killed mid-run and restarted. Two replicas (separate processes) serve the whole
+module; each test starts its own router (a Rust binary: it starts in well under a second)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmserve.bench.metrics import RequestTiming
+from mmserve.bench.router import (
+    SERVED_MODEL_NAME,
+    FamilyRequest,
+    KVEventLog,
+    Replica,
+    RouterProcess,
+    family_stickiness,
+    last_full_block,
+    start_replicas,
+    vllm_router_binary,
+)
+from mmserve.bench.serve import BenchRequest, send_http
+
+try:
+    vllm_router_binary()
+except RuntimeError:  # pragma: no cover - the test extra installs it
+    pytest.skip("vllm-router is not installed", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(600)
+BLOCK = 16
+NUM_KV_BLOCKS = 512
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def replicas(model: Path) -> Iterator[list[Replica]]:
+    started = start_replicas(model, 2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK)
+    try:
+        yield started
+    finally:
+        for replica in started:
+            replica.close()
+
+
+@pytest.fixture
+def events(replicas: list[Replica]) -> Iterator[KVEventLog]:
+    log = KVEventLog(replicas)
+    time.sleep(0.3)  # the subscriptions reach the publishers (a PUB socket drops what it sends before)
+    try:
+        yield log
+    finally:
+        log.close()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of a replica's /metrics, summed over labels, by sample name."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def finished(url: str) -> float:
+    return metrics(url).get("mmserve:request_success_total", 0.0)
+
+
+def chat(text: str, max_tokens: int = 4, system: str | None = None, image: str | None = None) -> dict:
+    content: str | list[dict] = text
+    if image is not None:
+        content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": text}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    return {"model": SERVED_MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def words(rng: random.Random, n: int) -> str:
+    vocabulary = "red blue green square circle triangle small large image frame shape color count the of".split()
+    return " ".join(rng.choice(vocabulary) for _ in range(n))
+
+
+def prompt_tokens(url: str, body: dict) -> list[int]:
+    r = httpx.post(url + "/tokenize", json={"model": SERVED_MODEL_NAME, "messages": body["messages"]}, timeout=30)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def text_families(seed: int, num_families: int, per_family: int) -> list[FamilyRequest]:
+    """Families sharing a system prompt (about 100 tokens); each request has a numbered text of its own."""
+    rng = random.Random(seed)
+    systems = [f"Family {seed}-{f}. " + words(rng, 90) for f in range(num_families)]
+    out = [
+        FamilyRequest(f, BenchRequest(chat(f"Request {seed}-{f}-{i}: " + words(rng, 40), system=s)["messages"], 4))
+        for f, s in enumerate(systems)
+        for i in range(per_family)
+    ]
+    rng.shuffle(out)
+    return out
+
+
+def served_by(log: KVEventLog, url: str, requests: list[FamilyRequest]) -> list[list[str]]:
+    time.sleep(0.5)  # the last steps' events
+    blocks = [last_full_block(prompt_tokens(url, {"messages": fr.request.messages}), BLOCK) for fr in requests]
+    return [log.served_by(block) for block in blocks]
+
+
+async def run_all(url: str, requests: list[FamilyRequest], concurrency: int) -> list[RequestTiming]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+
+        async def one(fr: FamilyRequest) -> RequestTiming:
+            async with sem:
+                return await send_http(client, url, fr.request, {})
+
+        return await asyncio.gather(*(one(fr) for fr in requests))
+
+
+# -- what a router reads of a replica ----------------------------------------------------------------------
+
+
+def test_a_replica_answers_health_and_vllms_gauge_names(replicas: list[Replica]) -> None:
+    url = replicas[0].url
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/live").status_code == 200
+    text = httpx.get(url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        (ours,), (theirs,) = families["mmserve:" + name].samples, families["vllm:" + name].samples
+        assert ours.value == theirs.value and theirs.labels == {"model_name": SERVED_MODEL_NAME, "engine": "0"}
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels["block_size"] == str(BLOCK) and info.labels["num_gpu_blocks"] == str(NUM_KV_BLOCKS)
+    assert info.labels["enable_prefix_caching"] == "True"
+
+
+def test_kv_events_announce_exactly_the_prompt_blocks_the_allocator_hashed(
+    replicas: list[Replica], events: KVEventLog
+) -> None:
+    """A multimodal request straight to one replica: its KV events carry every full prompt block (token ids as
+    /tokenize gives them, placeholders expanded), the image's mm_hash on the blocks it overlaps, and hashes
+    that follow from tokens, keys and parent with the allocator's own chain hash."""
+    import numpy as np
+
+    from mmserve.bench.serve import _png_data_url
+
+    url = replicas[0].url
+    image = _png_data_url(np.random.default_rng(11), 64)
+    body = chat("Describe the shapes in this picture in a few words, please.", system="You look at pictures.",
+                image=image)  # fmt: skip
+    before = events.snapshot(url)
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    time.sleep(0.5)
+    after = events.snapshot(url)
+    tokens = prompt_tokens(url, body)
+    num_full = (len(tokens) - 1) // BLOCK  # the block of the last prompt token is not registered yet
+    prompt_blocks = {tuple(tokens[i * BLOCK : (i + 1) * BLOCK]) for i in range(num_full)}
+    new_blocks = after.stored_blocks - before.stored_blocks
+    assert prompt_blocks <= after.stored_blocks and new_blocks, "a prompt block was not announced"
+    assert after.chains_ok, "a BlockStored hash does not follow from its tokens, media keys and parent"
+    assert after.last_seq is not None and after.num_batches > before.num_batches
+    assert after.held >= set(after.stored_hashes[len(before.stored_hashes) :])  # nothing evicted at 512 blocks
+    # The other replica computed nothing of it.
+    other = events.snapshot(replicas[1].url)
+    assert not prompt_blocks & other.stored_blocks
+
+
+# -- routing -----------------------------------------------------------------------------------------------
+
+
+def test_round_robin_forwards_chat_and_streams_to_both_replicas(replicas: list[Replica], model: Path) -> None:
+    import json
+
+    counts = [finished(r.url) for r in replicas]
+    router = RouterProcess("round_robin", replicas, model)
+    try:
+        for i in range(4):
+            r = httpx.post(router.url + "/v1/chat/completions", json=chat(f"hello {i}"), timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+        with httpx.stream("POST", router.url + "/v1/chat/completions", timeout=60,
+                          json={**chat("stream please", max_tokens=6), "stream": True}) as r:  # fmt: skip
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        models = httpx.get(router.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [SERVED_MODEL_NAME]
+    finally:
+        router.close()
+    served = [finished(r.url) - c for r, c in zip(replicas, counts, strict=True)]
+    assert sum(served) == 5 and min(served) >= 2, served
+
+
+def test_cache_aware_keeps_each_prefix_family_on_one_replica_under_concurrency(
+    replicas: list[Replica], model: Path, events: KVEventLog
+) -> None:
+    requests = text_families(seed=1, num_families=4, per_family=5)
+    router = RouterProcess("cache_aware", replicas, model)
+    try:
+        timings = asyncio.run(run_all(router.url, requests, concurrency=4))
+    finally:
+        router.close()
+    assert all(t.success for t in timings), [t.error for t in timings if not t.success]
+    served = served_by(events, replicas[0].url, requests)
+    assert all(len(s) == 1 for s in served), "a request's own block was computed on no replica, or on both"
+    assert family_stickiness([fr.family for fr in requests], served) >= 0.9
+    assert len({s[0] for s in served}) == 2, "every family on one replica: no balance at all"
+
+
+def test_kv_aware_routes_each_family_to_the_replica_whose_kv_events_hold_its_prefix(
+    replicas: list[Replica], model: Path, events: KVEventLog
+) -> None:
+    """With the router running, each family's prefix is put on a replica of the test's choosing, straight to
+    that replica (the router never sees those requests): only the replica's KV events can tell the router where
+    each prefix is."""
+    requests = text_families(seed=2, num_families=4, per_family=4)
+    home = {f: replicas[(f + 1) % 2].url for f in range(4)}  # family 0 on the second replica: no tie-break luck
+    warm: dict[int, FamilyRequest] = {}
+    for fr in requests:
+        warm.setdefault(fr.family, fr)
+    rest = [fr for fr in requests if warm[fr.family] is not fr]
+    router = RouterProcess("kv_aware", replicas, model)
+    try:
+        time.sleep(1.0)  # the router's subscribers connect (a PUB socket drops what it sends before)
+        for family, fr in warm.items():
+            body = {"model": SERVED_MODEL_NAME, "messages": fr.request.messages, "max_tokens": 1}
+            assert httpx.post(home[family] + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        time.sleep(0.5)
+        for fr in rest:  # one at a time: equal load, so only the prefix decides
+            timing = asyncio.run(run_all(router.url, [fr], concurrency=1))[0]
+            assert timing.success, timing.error
+            time.sleep(0.2)  # this request's blocks reach the router before the next decision
+    finally:
+        router.close()
+    served = served_by(events, replicas[0].url, rest)
+    assert served == [[home[fr.family]] for fr in rest]
+
+
+# -- faults ------------------------------------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_a_killed_replica_fails_only_its_own_streams_and_rejoins_when_restarted(
+    replicas: list[Replica], model: Path
+) -> None:
+    router = RouterProcess("round_robin", replicas, model, extra_args=("--retry-max-retries", "5"))
+    try:
+        # A long stream through the router, then its replica dies under it: the client sees the stream end.
+        body = {**chat("tell me a long story", max_tokens=400), "stream": True, "ignore_eos": True}
+        result: dict = {}
+
+        async def stream_until_it_ends() -> None:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+                try:
+                    async with client.stream("POST", router.url + "/v1/chat/completions", json=body) as r:
+                        result["status"] = r.status_code
+                        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                        result["done"] = bool(lines) and lines[-1] == "data: [DONE]"
+                except httpx.HTTPError as exc:
+                    result["error"] = type(exc).__name__
+
+        async def kill_the_stream_s_replica() -> Replica:
+            task = asyncio.create_task(stream_until_it_ends())
+            holder = None
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                running = [metrics(r.url).get("mmserve:num_requests_running", 0.0) for r in replicas]
+                if max(running) >= 1:
+                    holder = replicas[running.index(max(running))]
+                    break
+            assert holder is not None, "the stream never started on a replica"
+            children = _descendants(holder.pid)
+            holder.kill()
+            await asyncio.wait_for(task, 30)  # never a hang
+            _, alive = psutil.wait_procs(children, timeout=15)
+            assert not alive, f"processes of the killed replica outlived it: {alive}"
+            return holder
+
+        killed = asyncio.run(kill_the_stream_s_replica())
+        assert not result.get("done"), "a stream whose replica died must not end as if complete"
+        survivor = replicas[0] if killed is replicas[1] else replicas[1]
+        victim = killed
+
+        # Traffic goes on: the router retries around the dead replica and then stops sending it anything.
+        before = finished(survivor.url)
+        rng = random.Random(3)
+        requests = [FamilyRequest(0, BenchRequest(chat(words(rng, 12))["messages"], 4)) for _ in range(100)]
+        timings = asyncio.run(run_all(router.url, requests, concurrency=2))
+        ok = sum(t.success for t in timings)
+        assert ok >= 99, [t.error for t in timings if not t.success][:5]
+        assert finished(survivor.url) - before >= ok
+
+        # Restarted on the same ports, it rejoins: the router sends it requests again.
+        victim.start()
+        deadline = time.monotonic() + 30
+        served = 0.0
+        while time.monotonic() < deadline and served == 0:
+            for _ in range(4):
+                r = httpx.post(router.url + "/v1/chat/completions", json=chat("back again"), timeout=60)
+                assert r.status_code == 200, r.text
+            served = finished(victim.url)
+        assert served > 0, "the restarted replica never got a request from the router"
+    finally:
+        router.close()
+        for replica in replicas:  # leave the module's replicas as they were
+            if replica.server is None:
+                replica.start()
