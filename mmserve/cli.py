@@ -317,6 +317,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.settings import ServerSettings
     from mmserve.config import EngineArgs, KVEventsConfig
     from mmserve.encoders.media import MediaLimits
+    from mmserve.errors import MMServeError
 
     args.model = _model_or_fallback(args.model)
     media_limits = MediaLimits(
@@ -324,24 +325,28 @@ def _serve(args: argparse.Namespace) -> int:
         decode_timeout_s=args.decode_timeout_s,
         decode_memory_mib=args.decode_memory_mib,
     )
-    engine_args = EngineArgs(
-        str(args.model),
-        device=args.device,
-        dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        scheduler_policy=args.scheduler_policy,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_encoder_tokens=args.max_num_encoder_tokens,
-        chunk_encoder=not args.no_chunk_encoder,
-        encoder_token_cost=args.encoder_token_cost,
-        block_size=args.block_size,
-        kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
-        **_slo_engine_kwargs(args),
-        **parallel_engine_kwargs(args),
-    )
+    try:
+        engine_args = EngineArgs(
+            str(args.model),
+            device=args.device,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len,
+            scheduler_policy=args.scheduler_policy,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_num_encoder_tokens=args.max_num_encoder_tokens,
+            chunk_encoder=not args.no_chunk_encoder,
+            encoder_token_cost=args.encoder_token_cost,
+            block_size=args.block_size,
+            kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
+            **_slo_engine_kwargs(args),
+            **parallel_engine_kwargs(args),
+        )
+    except MMServeError as exc:  # a bad engine option: one line, not a traceback
+        print(f"mmserve: {exc}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         api_key=args.api_key or None,
         data_dir=args.data_dir,

@@ -4,7 +4,10 @@ manager's cached hashes, and every `BlockStored` rebuilds its hashes from its to
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,8 +213,6 @@ def test_the_publisher_speaks_vllms_wire_format_and_replays() -> None:
 
 
 def test_kv_events_config_is_vllms_json_and_refuses_what_it_cannot_honour() -> None:
-    import pytest
-
     from mmserve.config import EngineArgs, KVEventsConfig
     from mmserve.errors import InvalidRequestError
 
@@ -224,3 +225,16 @@ def test_kv_events_config_is_vllms_json_and_refuses_what_it_cannot_honour() -> N
             KVEventsConfig.from_json(text)
     with pytest.raises(InvalidRequestError, match="prefix caching"):
         EngineArgs("m", enable_prefix_caching=False, kv_events_config=config)
+
+
+def test_serve_refuses_a_bad_kv_events_config_in_one_line(
+    tiny_model_dir: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mmserve.cli import main
+
+    model = str(tiny_model_dir("qwen2"))
+    assert main(["serve", "--model", model, "--kv-events-config", '{"enable_kv_cache_events": true, "hwm": 0}']) == 2
+    assert "kv_events_config.hwm" in capsys.readouterr().err
+    assert main(["serve", "--model", model, "--no-prefix-caching", "--kv-events-config",
+                 '{"enable_kv_cache_events": true}']) == 2  # fmt: skip
+    assert "prefix caching" in capsys.readouterr().err

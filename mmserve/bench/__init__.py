@@ -1,5 +1,39 @@
-"""`mmserve bench`: speed measured side by side in one run, written as JSON."""
+"""`mmserve bench`: speed measured side by side in one run, written as JSON.
+
+What the CLI needs cheaply lives here (no numpy, no torch): the systems and workloads it lists, and the
+frozen configs its options are generated from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 # Systems `mmserve bench throughput` compares (torch-free here so the CLI can list them cheaply).
 SYSTEMS = ("mmserve", "mmserve-no-chunk", "mmserve-static", "mmserve-structured", "hf-static", "hf-cb")
 WORKLOADS = ("random", "random-mm", "prefix", "long-video")
+ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")  # vllm-router's, as `bench router` compares them
+
+
+@dataclass(frozen=True)
+class RouterBenchConfig:
+    """`mmserve bench router`: each field is one command-line option (`--num-families`...) and a key of the
+    report's `config`."""
+
+    policies: tuple[str, ...] = ROUTER_POLICIES  # vllm-router policies, side by side over the same replicas
+    media: tuple[str, ...] = ("image", "none")  # image: a family shares an image and a system prompt; none: the prompt
+    num_replicas: int = 2
+    num_families: int = 4
+    requests_per_family: int = 12
+    concurrency: int = 4  # requests in flight through the router (closed loop)
+    system_len: int = 96  # tokens of each family's system prompt (about)
+    user_len: int = 48  # tokens of each request's own text (about)
+    output_len: int = 16
+    image_size: int = 64
+    num_kv_blocks: int = 1024  # per replica: enough that nothing is evicted in a run
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.policies if p not in ROUTER_POLICIES] + [m for m in self.media if m not in ("image", "none")]
+        if unknown:
+            raise ValueError(f"unknown policy or media: {', '.join(unknown)}")
+        if min(self.num_replicas, self.num_families, self.requests_per_family, self.concurrency) < 1:
+            raise ValueError("num_replicas, num_families, requests_per_family and concurrency must be >= 1")

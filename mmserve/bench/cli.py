@@ -4,11 +4,14 @@ mmserve/cli.py (as mmserve/demo/cli.py is). Each handler imports its bench modul
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from mmserve.bench import SYSTEMS, WORKLOADS
+from mmserve.bench import SYSTEMS, WORKLOADS, RouterBenchConfig
 from mmserve.slo_flags import add_slo_planner_flags
 
 
@@ -112,6 +115,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_bench_serve_parser(bench_sub)
     _add_bench_profile_parser(bench_sub)
     _add_bench_tensor_parallel_parser(bench_sub)
+    _add_bench_router_parser(bench_sub)
     bench_sub.add_parser(
         "kernels",
         help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
@@ -131,6 +135,8 @@ def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
         return _bench_serve(args)
     if args.bench_command == "tensor-parallel":
         return _bench_tensor_parallel(args)
+    if args.bench_command == "router":
+        return _bench_router(args)
     return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
 
 
@@ -408,6 +414,63 @@ def _add_bench_tensor_parallel_parser(bench_sub: argparse._SubParsersAction) -> 
     p.add_argument("--out", type=Path, default=None, help="write tensor_parallel.json (and its PNG) here")
     p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
+
+
+def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One option per field of the frozen config dataclass `cls` (`--field-name`, its default; a tuple field
+    takes a comma-separated list), so a knob is written once: in the dataclass."""
+    for f in dataclasses.fields(cls):
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        if isinstance(default, tuple):
+            parser.add_argument(flag, default=",".join(map(str, default)), help="comma-separated (default: %(default)s)")
+        elif isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help="(default: %(default)s)")
+
+
+def config_from_options(cls: type, args: argparse.Namespace) -> Any:
+    """The `cls` instance that `add_config_options` options describe."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, f.name)
+        if isinstance(f.default, tuple):
+            item = type(f.default[0]) if f.default else str
+            value = tuple(item(v.strip()) for v in value.split(",") if v.strip())
+        values[f.name] = value
+    return cls(**values)
+
+
+def _add_bench_router_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "router",
+        help="mmserve replicas behind vllm-router: routing policies side by side on prefix families (shared "
+        "image and system prompt): prefix-cache hit rate, tok/s, TTFT, how well families stick to a replica",
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the qwen2-vl bench preset)")
+    add_config_options(p, RouterBenchConfig)
+    p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+    p.add_argument("--plot", type=Path, default=None, help="write router.png into this directory")
+
+
+def _bench_router(args: argparse.Namespace) -> int:
+    from mmserve.bench.router import bench_router, format_report, plot_router
+
+    try:
+        cfg = config_from_options(RouterBenchConfig, args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_router(_bench_model(args.model), cfg)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        for path in plot_router(report, args.plot):
+            print(f"wrote {path}")
+    return 0
 
 
 def _int_list(text: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from mmserve.bench import RouterBenchConfig
 from mmserve.bench.metrics import RequestTiming, compute_metrics
 from mmserve.bench.serve import (
     BenchRequest,
@@ -43,7 +44,6 @@ from mmserve.bench.serve import (
     send_http,
 )
 
-POLICIES = ("round_robin", "cache_aware", "kv_aware")
 SERVED_MODEL_NAME = "bench"
 
 
@@ -298,24 +298,23 @@ def family_requests(
     system_len: int,
     user_len: int,
     output_len: int,
-    image_size: int,
+    image_size: int | None,
     seed: int,
     tokenizer: Any | None,
 ) -> list[FamilyRequest]:
-    """Each family: one image and one system prompt of about `system_len` tokens; each request of it adds a user
-    text of its own (about `user_len` tokens, a numbered opening so no two are alike). Families interleave in
-    random order, as independent users' conversations would."""
+    """Each family: one system prompt of about `system_len` tokens and (`image_size` not None) one image; each
+    request of it adds a user text of its own (about `user_len` tokens, a numbered opening so no two are
+    alike) after the image. Families interleave in random order, as independent users' conversations would."""
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
-    families = [(_png_data_url(np_rng, image_size), _random_text(rng, system_len, tokenizer)) for _ in range(num_families)]
     out: list[FamilyRequest] = []
-    for f, (image, system) in enumerate(families):
+    for f in range(num_families):
+        image = _png_data_url(np_rng, image_size) if image_size is not None else None
+        system = _random_text(rng, system_len, tokenizer)
         for i in range(requests_per_family):
-            user = f"Request {seed}-{f}-{i}: " + _random_text(rng, user_len, tokenizer)
-            messages = [
-                {"role": "system", "content": system},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                             {"type": "text", "text": user}]},
-            ]  # fmt: skip
+            user: Any = f"Request {seed}-{f}-{i}: " + _random_text(rng, user_len, tokenizer)
+            if image is not None:
+                user = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": user}]
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
             out.append(FamilyRequest(f, BenchRequest(messages, output_len)))
     rng.shuffle(out)
     return out
@@ -403,52 +402,41 @@ def family_stickiness(families: list[int], served: list[list[str]]) -> float:
     return float(np.mean(shares))
 
 
-def bench_router(
-    model: Path,
-    policies: tuple[str, ...] = POLICIES,
-    num_replicas: int = 2,
-    num_families: int = 4,
-    requests_per_family: int = 12,
-    concurrency: int = 4,
-    system_len: int = 96,
-    user_len: int = 48,
-    output_len: int = 16,
-    image_size: int = 64,
-    seed: int = 0,
-    num_kv_blocks: int = 1024,
-) -> dict:
-    """Every policy over the same replicas. Each policy gets a workload of its own draw (other images and
+def bench_router(model: Path, cfg: RouterBenchConfig) -> dict:
+    """Every (media, policy) over the same replicas. Each run gets a workload of its own draw (other images and
     prompts, the same shape), so none finds another's families in the caches."""
+    from dataclasses import asdict
+
     from mmserve.bench.serve import _load_tokenizer
 
     tokenizer = _load_tokenizer(model)
-    replicas = start_replicas(model, num_replicas, num_kv_blocks=num_kv_blocks)
+    replicas = start_replicas(model, cfg.num_replicas, num_kv_blocks=cfg.num_kv_blocks)
+    results: dict[str, dict[str, dict]] = {}
     try:
-        results = {}
-        for k, policy in enumerate(policies):
-            requests = family_requests(num_families, requests_per_family, system_len, user_len, output_len,
-                                       image_size, seed * 1000 + k, tokenizer)  # fmt: skip
-            results[policy] = asyncio.run(run_policy(policy, replicas, model, requests, concurrency))
+        run = 0
+        for media in cfg.media:
+            for policy in cfg.policies:
+                run += 1
+                requests = family_requests(cfg.num_families, cfg.requests_per_family, cfg.system_len, cfg.user_len,
+                                           cfg.output_len, cfg.image_size if media == "image" else None,
+                                           cfg.seed * 1000 + run, tokenizer)  # fmt: skip
+                figures = asyncio.run(run_policy(policy, replicas, model, requests, cfg.concurrency))
+                results.setdefault(media, {})[policy] = figures
     finally:
         for replica in replicas:
             replica.close()
-    report = {
-        "config": {"model": str(model), "policies": list(policies), "num_replicas": num_replicas,
-                   "num_families": num_families, "requests_per_family": requests_per_family,
-                   "concurrency": concurrency, "system_len": system_len, "user_len": user_len,
-                   "output_len": output_len, "image_size": image_size, "seed": seed,
-                   "num_kv_blocks": num_kv_blocks},
-        "results": results,
-    }  # fmt: skip
-    base = results.get("round_robin")
-    if base is not None:
-        report["vs_round_robin"] = {
+    report: dict = {"config": {"model": str(model), **asdict(cfg)}, "results": results, "vs_round_robin": {}}
+    for media, by_policy in results.items():
+        base = by_policy.get("round_robin")
+        if base is None:
+            continue
+        report["vs_round_robin"][media] = {
             policy: {
                 "output_throughput": r["output_throughput"] / base["output_throughput"],
                 "prefix_cache_hit_rate": _ratio(r["server_prefix_cache_hit_rate"], base["server_prefix_cache_hit_rate"]),
                 "ttft_median": _ratio(r["median_ttft_ms"], base["median_ttft_ms"]),
             }
-            for policy, r in results.items()
+            for policy, r in by_policy.items()
         }  # fmt: skip
     return report
 
@@ -458,13 +446,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def format_report(report: dict) -> str:
-    lines = ["policy        tok/s   prefix hit  mm hit  TTFT p50 ms  p90 ms  stickiness  failed"]
-    for policy, r in report["results"].items():
-        lines.append(
-            f"{policy:<12} {r['output_throughput']:7.1f}   {_pct(r['server_prefix_cache_hit_rate'])}"
-            f"     {_pct(r['server_mm_cache_hit_rate'])}  {r['median_ttft_ms']:9.1f}  {r['p90_ttft_ms']:7.1f}"
-            f"  {r['family_stickiness']:9.2f}  {r['failed']:6d}"
-        )
+    lines = ["media  policy        tok/s   prefix hit  mm hit   TTFT p50 ms  p90 ms  stickiness  failed"]
+    for media, by_policy in report["results"].items():
+        for policy, r in by_policy.items():
+            lines.append(
+                f"{media:<6} {policy:<12} {r['output_throughput']:7.1f}   {_pct(r['server_prefix_cache_hit_rate'])}"
+                f"     {_pct(r['server_mm_cache_hit_rate'])}  {r['median_ttft_ms']:9.1f}  {r['p90_ttft_ms']:7.1f}"
+                f"  {r['family_stickiness']:9.2f}  {r['failed']:6d}"
+            )
     return "\n".join(lines)
 
 
@@ -473,20 +462,24 @@ def _pct(value: float | None) -> str:
 
 
 def plot_router(report: dict, out_dir: Path) -> list[Path]:
+    """One row of bars per media kind: output tok/s, prefix-cache hit rate, median TTFT, per policy."""
     from mmserve.bench.plots import _pyplot
 
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     results = report["results"]
-    names = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     panels = (("output_throughput", "output tok/s"), ("server_prefix_cache_hit_rate", "prefix-cache hit rate"),
-              ("median_ttft_ms", "TTFT median (ms)"))  # fmt: skip
-    for ax, (key, title) in zip(axes, panels, strict=True):
-        ax.bar(names, [results[n][key] or 0.0 for n in names], color=["#888", "#4a7", "#47a"][: len(names)])
-        ax.set_title(title)
-    fig.suptitle(f"{report['config']['num_replicas']} replicas behind vllm-router, "
-                 f"{report['config']['num_families']} prefix families")  # fmt: skip
+              ("median_ttft_ms", "TTFT median (ms)"), ("family_stickiness", "family stickiness"))  # fmt: skip
+    fig, axes = plt.subplots(len(results), len(panels), figsize=(14, 3.2 * len(results)), squeeze=False)
+    for row, (media, by_policy) in enumerate(results.items()):
+        names = list(by_policy)
+        for ax, (key, title) in zip(axes[row], panels, strict=True):
+            ax.bar(names, [by_policy[n][key] or 0.0 for n in names], color=["#888", "#4a7", "#47a"][: len(names)])
+            ax.set_title(f"{title} ({'image + system prompt' if media == 'image' else 'system prompt'})", fontsize=9)
+            ax.tick_params(axis="x", labelsize=8)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['num_replicas']} mmserve replicas behind vllm-router, {cfg['num_families']} prefix families, "
+                 f"{cfg['concurrency']} in flight")  # fmt: skip
     fig.tight_layout()
     path = out_dir / "router.png"
     fig.savefig(path, dpi=110)
