@@ -320,3 +320,29 @@ def test_a_killed_replica_fails_only_its_own_streams_and_rejoins_when_restarted(
         for replica in replicas:  # leave the module's replicas as they were
             if replica.server is None:
                 replica.start()
+
+
+def test_bench_serve_runs_through_the_router_and_sums_every_replicas_caches(
+    replicas: list[Replica], model: Path
+) -> None:
+    """`mmserve bench serve --url ROUTER --metrics-url R1 --metrics-url R2`: the cache figures are the sum of
+    what every replica's counters did over the run (a router answers /metrics from one replica only)."""
+    from mmserve.bench.serve import bench_serve
+
+    def queries() -> float:
+        return sum(metrics(r.url).get("mmserve:prefix_cache_queries_total", 0.0) for r in replicas)
+
+    router = RouterProcess("round_robin", replicas, model)
+    try:
+        before = queries()
+        report = bench_serve(model=model, url=router.url, transports=["http"], workload="random", num_prompts=6,
+                             input_len=(8, 24), output_len=(2, 4), metrics_urls=[r.url for r in replicas],
+                             progress=False)  # fmt: skip
+        total = queries() - before
+    finally:
+        router.close()
+    figures = report["results"]["http"]
+    assert figures["completed"] == 6 and figures["failed"] == 0
+    warm_up = total - figures["server_prefix_cache_queries"]  # the tool's one warm-up request, not counted
+    assert figures["server_prefix_cache_queries"] > 0 and 0 < warm_up < total
+    assert "engine_core_loop" not in figures  # one core's loop is not the system's

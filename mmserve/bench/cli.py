@@ -253,6 +253,13 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--url", default=None, help="a running server; default: start one in-process on --model")
     p.add_argument(
+        "--metrics-url",
+        action="append",
+        default=None,
+        help="a server whose /metrics the cache figures sum; repeat for every replica when --url is a router "
+        "(default: --url)",
+    )
+    p.add_argument(
         "--model",
         type=Path,
         default=None,
@@ -618,6 +625,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
             offline=args.offline,
             json_path=args.json,
             progress=not args.no_progress,
+            metrics_urls=args.metrics_url,
         )
     except ValueError as exc:  # bad workload options (e.g. random-mm with no media)
         print(str(exc), file=sys.stderr)

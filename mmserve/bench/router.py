@@ -350,7 +350,7 @@ async def run_policy(
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
             blocks = [last_full_block(await _prompt_tokens(client, replicas[0].url, fr.request), replicas[0].block_size)
                       for fr in requests]  # fmt: skip
-            before = [await scrape_cache_counters(client, r.url) for r in replicas]
+            before = await scrape_cache_counters(client, [r.url for r in replicas])
             queue: asyncio.Queue[int] = asyncio.Queue()
             for i in range(len(requests)):
                 queue.put_nowait(i)
@@ -364,7 +364,7 @@ async def run_policy(
             start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             duration = time.perf_counter() - start
-            after = [await scrape_cache_counters(client, r.url) for r in replicas]
+            after = await scrape_cache_counters(client, [r.url for r in replicas])
         await asyncio.sleep(0.5)  # the last steps' events
         served = [log.served_by(block) for block in blocks]
         chains_ok = all(log.snapshot(r.url).chains_ok for r in replicas)
@@ -372,24 +372,11 @@ async def run_policy(
         router.close()
         log.close()
     done = [t for t in timings if t is not None]
-    total_before = _sum_counters(before)
-    total_after = _sum_counters(after)
-    figures = {"policy": policy, **compute_metrics(done, duration), **cache_figures(total_before, total_after)}
+    figures = {"policy": policy, **compute_metrics(done, duration), **cache_figures(before, after)}
     figures["requests_per_replica"] = dict(Counter(s[0] if len(s) == 1 else "unknown" for s in served))
     figures["family_stickiness"] = family_stickiness([fr.family for fr in requests], served)
     figures["kv_event_chains_ok"] = chains_ok
     return figures
-
-
-def _sum_counters(per_replica: list[dict[str, float] | None]) -> dict[str, float] | None:
-    if any(c is None for c in per_replica):
-        return None
-    total: dict[str, float] = {}
-    for counters in per_replica:
-        assert counters is not None
-        for name, value in counters.items():
-            total[name] = total.get(name, 0.0) + value
-    return total
 
 
 def family_stickiness(families: list[int], served: list[list[str]]) -> float:

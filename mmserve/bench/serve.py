@@ -354,26 +354,32 @@ async def arrivals(n: int, request_rate: float, burstiness: float, seed: int) ->
 CACHE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
 
 
-async def scrape_cache_counters(client: Any, base_url: str) -> dict[str, float] | None:
-    """The server's cache counters, summed over labels; None when /metrics does not answer or lacks one
-    (not an mmserve server). Server-wide: other clients' requests count too."""
+async def scrape_cache_counters(client: Any, base_urls: Sequence[str]) -> dict[str, float] | None:
+    """The cache counters of the servers at `base_urls` (every replica behind a router, or one server), summed
+    over labels and servers; None when one's /metrics does not answer or lacks one (not an mmserve server).
+    Server-wide: other clients' requests count too."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    try:
-        r = await client.get(f"{base_url}/metrics")
-        if r.status_code != 200:
-            return None
-        families = list(text_string_to_metric_families(r.text))
-    except (httpx.HTTPError, ValueError):
-        return None
     values: dict[str, float] = {}
-    for family in families:
-        for sample in family.samples:
-            name = sample.name.removeprefix("mmserve:").removesuffix("_total")
-            if sample.name.startswith("mmserve:") and name in CACHE_COUNTERS:
-                values[name] = values.get(name, 0.0) + sample.value
-    return values if len(values) == len(CACHE_COUNTERS) else None
+    for base_url in base_urls:
+        try:
+            r = await client.get(f"{base_url}/metrics")
+            if r.status_code != 200:
+                return None
+            families = list(text_string_to_metric_families(r.text))
+        except (httpx.HTTPError, ValueError):
+            return None
+        found = set()
+        for family in families:
+            for sample in family.samples:
+                name = sample.name.removeprefix("mmserve:").removesuffix("_total")
+                if sample.name.startswith("mmserve:") and name in CACHE_COUNTERS:
+                    values[name] = values.get(name, 0.0) + sample.value
+                    found.add(name)
+        if len(found) != len(CACHE_COUNTERS):
+            return None
+    return values
 
 
 def cache_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
@@ -406,9 +412,11 @@ async def run_requests(
     media_source: str = "data-url",
     first_alone: bool = False,
     video_interval_s: float = 2.0,
+    metrics_urls: Sequence[str] | None = None,
 ) -> tuple[list[RequestTiming], float, dict]:
     """Send every request (one warm-up first, not counted); returns the timings (in `requests`' order),
-    the duration and the server's cache figures over the run (`cache_figures`).
+    the duration and the server's cache figures over the run (`cache_figures`), summed over the servers at
+    `metrics_urls` (default: `url`; behind a router, every replica).
 
     `first_alone`: request 0 goes alone and the rest wait for its first token (or its end) before the
     arrivals start, so request 0 is a cold miss whose prefix the others find cached.
@@ -454,7 +462,7 @@ async def run_requests(
         late = [i for i, r in enumerate(requests) if r.late]
         if late != list(range(len(requests) - len(late), len(requests))):
             raise ValueError("late requests must come last")
-        before = await scrape_cache_counters(client, url)
+        before = await scrape_cache_counters(client, metrics_urls or [url])
         tasks = []
         start = time.perf_counter()
         rest = range(len(requests) - len(late))  # indices sent at the arrival times
@@ -474,7 +482,7 @@ async def run_requests(
                 tasks.append(asyncio.create_task(one(requests[i])))
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        figures = cache_figures(before, await scrape_cache_counters(client, url))
+        figures = cache_figures(before, await scrape_cache_counters(client, metrics_urls or [url]))
     finally:
         bar.close()
         if pool is not None:
@@ -655,9 +663,14 @@ def bench_serve(
     offline: bool = False,
     json_path: Path | None = None,
     progress: bool = True,
+    metrics_urls: Sequence[str] | None = None,
 ) -> dict:
     """Run the workload over each transport; `url` None starts a server on `model`: in this process
     (a thread), or with `server_process` as a child `mmserve serve` (no GIL shared with the clients).
+
+    `metrics_urls`: the servers whose /metrics give the cache figures, summed (with `url` a router: every
+    replica behind it; a router answers /metrics from one replica); the engine-core loop figures are then
+    reported only for a single one.
 
     `api_server_count`: with `server_process`, the child's API server processes (`--api-server-count`).
 
@@ -729,11 +742,12 @@ def bench_serve(
                 else InProcessServer(model, **engine_kwargs)
             )
         base_url = (server.url if server is not None else str(url)).rstrip("/")
+        loop_url = base_url if not metrics_urls else metrics_urls[0] if len(metrics_urls) == 1 else None
         try:
             for index, transport in enumerate(transports):
                 if index and workload == "prefix":
                     requests = requests_for(index)
-                loop_before = _core_loop(base_url, api_key)
+                loop_before = _core_loop(loop_url, api_key) if loop_url is not None else None
                 timings, duration, cache = asyncio.run(
                     run_requests(
                         base_url,
@@ -748,12 +762,13 @@ def bench_serve(
                         media_source=media_source,
                         first_alone=workload == "prefix",
                         video_interval_s=video_interval_s,
+                        metrics_urls=metrics_urls,
                     )
                 )
                 longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
                 key = transport if system == "mmserve" else f"{transport}/{system}"
                 results[key] = _figures(workload, timings, duration, cache, goodput_slos, requests)
-                loop_after = _core_loop(base_url, api_key)
+                loop_after = _core_loop(loop_url, api_key) if loop_url is not None else None
                 if loop_after is not None:  # before the first step the server reports no loop times yet
                     results[key]["engine_core_loop"] = _loop_figures(loop_before, loop_after, duration)
                 raw[key] = [
