@@ -66,8 +66,11 @@ def test_tower_video_groups_equal_whole(qwen3_dir: Path, qwen3_model: torch.nn.M
     torch.testing.assert_close(whole, expected, rtol=0, atol=1e-6)
     rows = 4 * 6
     pieces = [tower.encode(pixels[g * rows : (g + 1) * rows], (1, 4, 6)) for g in range(3)]
+    # Exact up to fp32 rounding: the GEMMs over one group's rows and over all rows may be blocked differently
+    # (MKL picks by shape and CPU: 0 on one machine, a few ulps of the largest value on another). Attention
+    # leaking across groups would differ by orders of magnitude more.
     diff = (torch.cat(pieces) - whole).abs().max().item()
-    assert diff <= 1e-6, diff
+    assert diff <= 1e-6 * max(1.0, whole.abs().max().item()), diff
 
 
 def test_tower_qwen3_vl_moe_loads(tmp_path_factory: pytest.TempPathFactory) -> None:
