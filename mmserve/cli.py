@@ -20,7 +20,8 @@ DEFAULT_MODEL = "demo"
 FALLBACK_MODEL_DIR = Path("assets/models/tiny-qwen2-vl")  # served instead while no demo model is committed
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every `mmserve` command's options (what `main` parses; deployment manifests are checked against it)."""
     parser = argparse.ArgumentParser(prog="mmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -57,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_bench_parser(sub)
     add_demo_parsers(sub)
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not (args.command == "bench" and args.bench_command == "kernels"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

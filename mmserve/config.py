@@ -115,12 +115,22 @@ class KVEventsConfig:
     topic: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise InvalidRequestError(
+                f"kv_events_config.enable_kv_cache_events: must be true or false, got {self.enable_kv_cache_events!r}",
+                param="kv_events_config",
+            )
+        if not isinstance(self.topic, str):
+            raise InvalidRequestError(
+                f"kv_events_config.topic: must be a string, got {self.topic!r}", param="kv_events_config"
+            )
         if self.publisher not in (None, "zmq", "null"):
             raise InvalidRequestError(
                 f"kv_events_config.publisher: must be 'zmq' or 'null', got {self.publisher!r}", param="kv_events_config"
             )
         for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(
                     f"kv_events_config.{name}: must be an integer >= 1, got {getattr(self, name)!r}",
                     param="kv_events_config",

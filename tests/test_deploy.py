@@ -149,8 +149,7 @@ def test_every_resource_kind_is_either_schema_checked_or_a_known_crd() -> None:
 
 
 def _serve_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mmserve")
-    cli._add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    parser = cli.build_parser()
     assert MMSERVE["command"] == ["mmserve", "serve"]
     args = _expand(MMSERVE["args"], MMSERVE)
     try:

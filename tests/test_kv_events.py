@@ -119,11 +119,29 @@ def test_a_subscriber_replaying_the_events_holds_what_the_manager_holds(seed: in
                 live.append(r)
         elif op < 0.8 and live:
             kv.free(live.pop(rng.randrange(len(live))))
-        elif op < 0.95 and live:
+        elif op < 0.88 and live:
             r = rng.choice(live)
             r.append_output_token(rng.randrange(50))
             if kv.allocate_slots(r, 1) is not None:
                 r.num_computed_tokens = r.num_tokens
+        elif op < 0.93:
+            # A chunked prefill granted and freed before it ran (a preempted victim, an abort): the blocks
+            # it published were never written and leave the cache again.
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(4, 16))]
+            r = Request(f"g{n}", tokens, SamplingParams())
+            hits, num_cached = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, r.num_tokens - num_cached, hits) is not None:
+                r.num_computed_tokens = num_cached
+                kv.free(r)
+        elif op < 0.97 and live:
+            parent = rng.choice(live)  # a sibling sequence sharing the parent's written prompt blocks
+            child = Request(f"f{n}", list(parent.prompt_token_ids), SamplingParams())
+            if kv.fork(parent, child):
+                if kv.allocate_slots(child, child.num_tokens - child.num_computed_tokens) is None:
+                    kv.free(child)
+                else:
+                    child.num_computed_tokens = child.num_tokens
+                    live.append(child)
         else:
             kv.reset_prefix_cache()
         events = kv.take_events()
@@ -162,6 +180,7 @@ def test_the_publisher_speaks_vllms_wire_format_and_replays() -> None:
     publisher = KVEventPublisher(config)
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
+    sockets = [sub]
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.connect(config.endpoint)
@@ -195,6 +214,7 @@ def test_the_publisher_speaks_vllms_wire_format_and_replays() -> None:
         assert unpack(payload)[1] == [{"type": "AllBlocksCleared"}]
 
         dealer = context.socket(zmq.DEALER)
+        sockets.append(dealer)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(config.replay_endpoint)
         dealer.send_multipart([b"", seq2])  # from the last batch on
@@ -205,10 +225,8 @@ def test_the_publisher_speaks_vllms_wire_format_and_replays() -> None:
             if frames[-1][1] == (-1).to_bytes(8, "big", signed=True):
                 break
         assert [f[1] for f in frames[:-1]] == [seq2] and frames[0][2] == payload and frames[-1][2] == b""
-        dealer.close()
     finally:
-        sub.close()
-        context.term()
+        context.destroy(linger=0)  # every socket, even one a failed assertion left open
         publisher.close()
 
 

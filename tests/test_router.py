@@ -58,8 +58,8 @@ def replicas(model: Path) -> Iterator[list[Replica]]:
 @pytest.fixture
 def events(replicas: list[Replica]) -> Iterator[KVEventLog]:
     log = KVEventLog(replicas)
-    time.sleep(0.3)  # the subscriptions reach the publishers (a PUB socket drops what it sends before)
     try:
+        log.wait_until_subscribed()
         yield log
     finally:
         log.close()
@@ -111,9 +111,8 @@ def text_families(seed: int, num_families: int, per_family: int) -> list[FamilyR
 
 
 def served_by(log: KVEventLog, url: str, requests: list[FamilyRequest]) -> list[list[str]]:
-    time.sleep(0.5)  # the last steps' events
     blocks = [last_full_block(prompt_tokens(url, {"messages": fr.request.messages}), BLOCK) for fr in requests]
-    return [log.served_by(block) for block in blocks]
+    return log.wait_for_blocks(blocks)
 
 
 async def run_all(url: str, requests: list[FamilyRequest], concurrency: int) -> list[RequestTiming]:
@@ -161,19 +160,50 @@ def test_kv_events_announce_exactly_the_prompt_blocks_the_allocator_hashed(
     before = events.snapshot(url)
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    time.sleep(0.5)
-    after = events.snapshot(url)
     tokens = prompt_tokens(url, body)
     num_full = (len(tokens) - 1) // BLOCK  # the block of the last prompt token is not registered yet
     prompt_blocks = {tuple(tokens[i * BLOCK : (i + 1) * BLOCK]) for i in range(num_full)}
+    events.wait_for_blocks(sorted(prompt_blocks))
+    after = events.snapshot(url)
     new_blocks = after.stored_blocks - before.stored_blocks
     assert prompt_blocks <= after.stored_blocks and new_blocks, "a prompt block was not announced"
     assert after.chains_ok, "a BlockStored hash does not follow from its tokens, media keys and parent"
+    assert after.num_decode_errors == 0
     assert after.last_seq is not None and after.num_batches > before.num_batches
     assert after.held >= set(after.stored_hashes[len(before.stored_hashes) :])  # nothing evicted at 512 blocks
     # The other replica computed nothing of it.
     other = events.snapshot(replicas[1].url)
     assert not prompt_blocks & other.stored_blocks
+
+
+def test_power_of_two_reads_each_replicas_load(replicas: list[Replica], model: Path) -> None:
+    """vllm-router's power_of_two polls GET /get_load on every worker (-1 when a worker lacks it)."""
+    url = replicas[0].url
+    assert httpx.get(url + "/get_load").json() == {"load": 0, "num_requests_running": 0, "num_requests_waiting": 0}
+    router = RouterProcess("power_of_two", replicas, model)
+    try:
+        # A stream long enough to be running at the router's next poll (about once a second); on a machine fast
+        # enough to finish it first, another one, a few times.
+        body = {**chat("a long answer", max_tokens=3000), "ignore_eos": True, "stream": True}
+        seen: dict = {}
+        for _ in range(5):
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as stream:
+                lines = stream.iter_lines()  # kept: a dropped iterator closes the stream (the server then aborts)
+                next(lines)  # running on the first replica now
+                while httpx.get(url + "/get_load").json()["load"] == 1:
+                    workers = httpx.get(router.url + "/get_loads", timeout=5).json()["workers"]
+                    loads = {w["worker"]: w["load"] for w in workers}
+                    if loads.get(url) == 1:
+                        seen = loads
+                        break
+                    time.sleep(0.1)
+            if seen:
+                break
+        assert seen == {url: 1, replicas[1].url: 0}, seen
+        r = httpx.post(router.url + "/v1/chat/completions", json=chat("hi"), timeout=60)
+        assert r.status_code == 200
+    finally:
+        router.close()
 
 
 # -- routing -----------------------------------------------------------------------------------------------
@@ -233,11 +263,15 @@ def test_kv_aware_routes_each_family_to_the_replica_whose_kv_events_hold_its_pre
     rest = [fr for fr in requests if warm[fr.family] is not fr]
     router = RouterProcess("kv_aware", replicas, model)
     try:
-        time.sleep(1.0)  # the router's subscribers connect (a PUB socket drops what it sends before)
+        # The router subscribes as it starts (before it reports healthy); a PUB socket drops what it sends
+        # before a subscription reaches it, and the router has no way to say it is subscribed: a margin.
+        time.sleep(2.0)
         for family, fr in warm.items():
             body = {"model": SERVED_MODEL_NAME, "messages": fr.request.messages, "max_tokens": 1}
             assert httpx.post(home[family] + "/v1/chat/completions", json=body, timeout=60).status_code == 200
-        time.sleep(0.5)
+        homes = served_by(events, replicas[0].url, list(warm.values()))
+        assert homes == [[home[f]] for f in warm], "the warm-up prefixes are not where the test put them"
+        time.sleep(0.5)  # the same events reach the router's subscriber
         for fr in rest:  # one at a time: equal load, so only the prefix decides
             timing = asyncio.run(run_all(router.url, [fr], concurrency=1))[0]
             assert timing.success, timing.error

@@ -169,6 +169,14 @@ def create_app(
             return APIError(503, "the engine is not running", code="engine_unavailable").response()
         return JSONResponse({"status": "draining" if not engine.is_accepting else "ok"})
 
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """What vllm-router's power_of_two policy polls: requests this replica's scheduler holds (running and
+        waiting; every API process of the replica sees the same figures)."""
+        stats = engine.stats()
+        return JSONResponse({"load": stats.num_running + stats.num_waiting, "num_requests_running": stats.num_running,
+                             "num_requests_waiting": stats.num_waiting})  # fmt: skip
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -152,7 +152,8 @@ class RouterProcess:
                "--health-failure-threshold", "1", "--health-success-threshold", "1",
                "--log-level", "warning"]  # fmt: skip
         if policy == "kv_aware":
-            cmd += ["--kv-event-model", str(model), "--kv-event-block-size", str(replicas[0].block_size)]
+            # The model's identity for the router: the name the replicas serve it under.
+            cmd += ["--kv-event-model", SERVED_MODEL_NAME, "--kv-event-block-size", str(replicas[0].block_size)]
             for r in replicas:
                 cmd += ["--kv-event-source", f"{r.url}={r.events_endpoint}"]
                 cmd += ["--kv-event-replay-source", f"{r.url}={r.replay_endpoint}"]
@@ -160,8 +161,9 @@ class RouterProcess:
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-router-")
         self.log_path = Path(self._tmp.name) / "router.log"
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc: subprocess.Popen | None = None
         try:
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
             self._wait_until_up(startup_timeout_s)
         except BaseException:
             self.close()
@@ -170,6 +172,7 @@ class RouterProcess:
     def _wait_until_up(self, timeout_s: float) -> None:
         import httpx
 
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -181,7 +184,7 @@ class RouterProcess:
             time.sleep(0.2)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(10)
@@ -201,6 +204,7 @@ class _ReplicaEvents:
     stored_blocks: set[tuple[int, ...]] = field(default_factory=set)  # token ids of every block ever stored
     stored_hashes: list[bytes] = field(default_factory=list)  # in announcement order
     chains_ok: bool = True  # every BlockStored's hashes follow from its tokens, media keys and parent
+    num_decode_errors: int = 0  # batches that were not vLLM's format
     num_batches: int = 0
     last_seq: int | None = None
 
@@ -238,8 +242,13 @@ class KVEventLog:
         url_of = {sub: url for url, sub in self._sockets.items()}
         while not self._stop.is_set():
             for sub, _ in poller.poll(100):
-                _, seq, payload = sub.recv_multipart()
-                self._apply(url_of[sub], int.from_bytes(seq, "big"), payload)
+                frames = sub.recv_multipart()
+                try:
+                    _, seq, payload = frames
+                    self._apply(url_of[sub], int.from_bytes(seq, "big"), payload)
+                except (ValueError, KeyError, TypeError, IndexError, msgspec.DecodeError):
+                    with self._lock:
+                        self.by_url[url_of[sub]].num_decode_errors += 1
 
     def _apply(self, url: str, seq: int, payload: bytes) -> None:
         _, events, *_ = msgspec.msgpack.decode(payload)  # untyped: the wire as any subscriber reads it
@@ -268,7 +277,36 @@ class KVEventLog:
         with self._lock:
             log = self.by_url[url]
             return _ReplicaEvents(set(log.held), set(log.stored_blocks), list(log.stored_hashes), log.chains_ok,
-                                  log.num_batches, log.last_seq)  # fmt: skip
+                                  log.num_decode_errors, log.num_batches, log.last_seq)  # fmt: skip
+
+    def wait_until_subscribed(self, timeout_s: float = 60.0) -> None:
+        """Until every replica's events arrive: a PUB socket drops what it sends before a subscription reaches it,
+        so each replica not heard from yet gets a one-token request of its own (new blocks, hence a batch) every
+        second until one arrives."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            silent = [url for url, log in self.by_url.items() if log.num_batches == 0]
+            if not silent:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no KV events from {silent}")
+            for url in silent:
+                body = {"model": SERVED_MODEL_NAME, "max_tokens": 1, "messages": [
+                    {"role": "user", "content": f"KV event probe {time.monotonic_ns()} " + "probe " * 40}]}
+                httpx.post(url + "/v1/chat/completions", json=body, timeout=60).raise_for_status()
+            time.sleep(1.0)
+
+    def wait_for_blocks(self, blocks: list[tuple[int, ...]], timeout_s: float = 30.0) -> list[list[str]]:
+        """For each block's tokens, the replicas that stored it, once every block is announced somewhere (or
+        `timeout_s` passed: blocks still unannounced then get [])."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            served = [self.served_by(block) for block in blocks]
+            if all(served) or time.monotonic() > deadline:
+                return served
+            time.sleep(0.1)
 
     def served_by(self, block_tokens: tuple[int, ...]) -> list[str]:
         """The replicas that stored a block with exactly these tokens."""
@@ -327,7 +365,8 @@ async def _prompt_tokens(client: Any, url: str, req: BenchRequest) -> list[int]:
 
 
 def last_full_block(tokens: list[int], block_size: int) -> tuple[int, ...]:
-    """The last block of the prompt that the KV cache registers (full, and not the block of its last token)."""
+    """The last block of the prompt that the KV cache registers (full, and not the block of its last token):
+    the request's own text, when that text is longer than two blocks (so it identifies the request)."""
     k = (len(tokens) - 1) // block_size - 1
     if k < 0:
         raise ValueError("a prompt needs at least two blocks to be attributed to a replica")
@@ -345,8 +384,10 @@ async def run_policy(
     import httpx
 
     log = KVEventLog(replicas)
-    router = RouterProcess(policy, replicas, model)
+    router: RouterProcess | None = None
     try:
+        log.wait_until_subscribed()
+        router = RouterProcess(policy, replicas, model)
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
             blocks = [last_full_block(await _prompt_tokens(client, replicas[0].url, fr.request), replicas[0].block_size)
                       for fr in requests]  # fmt: skip
@@ -365,11 +406,11 @@ async def run_policy(
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             duration = time.perf_counter() - start
             after = await scrape_cache_counters(client, [r.url for r in replicas])
-        await asyncio.sleep(0.5)  # the last steps' events
-        served = [log.served_by(block) for block in blocks]
+        served = log.wait_for_blocks(blocks)
         chains_ok = all(log.snapshot(r.url).chains_ok for r in replicas)
     finally:
-        router.close()
+        if router is not None:
+            router.close()
         log.close()
     done = [t for t in timings if t is not None]
     figures = {"policy": policy, **compute_metrics(done, duration), **cache_figures(before, after)}

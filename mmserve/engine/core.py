@@ -69,15 +69,19 @@ class EngineCore:
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, events is not None)
         # Bound before the model loads, so a busy port fails the start at once.
         self._kv_events = KVEventPublisher(events) if events is not None else None
+        executor: Executor | None = None
         try:
-            self.executor = self._start_executor(dtype_name, num_blocks)
-        except BaseException:
+            executor = self._start_executor(dtype_name, num_blocks)
+            # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
+            # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
+            self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
+        except BaseException:  # nothing started here outlives a failed start
             if self._kv_events is not None:
                 self._kv_events.close()
+            if executor is not None:
+                executor.close()
             raise
-        # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
-        # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
-        self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
+        self.executor: Executor = executor
         self._structured: StructuredOutputManager | None = None  # made for the first constrained request
 
     def _start_executor(self, dtype_name: str, num_blocks: int) -> Executor:
@@ -147,6 +151,7 @@ class EngineCore:
             self._scheduler.finish_request(request_id, status)
         if self._structured is not None:
             self._structured.drop(request_ids)
+        self._publish_kv_events()  # an aborted grant's unwritten blocks left the cache: say so now, idle or not
 
     def has_unfinished_requests(self) -> bool:
         """Requests to serve, or finished ones the workers have not been told of (one more step)."""
@@ -154,9 +159,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         outputs = self._step()
+        self._publish_kv_events()
+        return outputs
+
+    def _publish_kv_events(self) -> None:
         if self._kv_events is not None:
             self._kv_events.publish(self._scheduler.take_kv_events())
-        return outputs
 
     def _step(self) -> EngineCoreOutputs:
         start = time.perf_counter()
@@ -264,8 +272,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (only the blocks no request holds are dropped from the cache)."""
         self._scheduler.reset_prefix_cache()
-        if self._kv_events is not None:
-            self._kv_events.publish(self._scheduler.take_kv_events())
+        self._publish_kv_events()
         return True
 
     def inject_faults(self, action: str, request_ids: Iterable[str] = ()) -> None:

@@ -1,12 +1,14 @@
-"""KV cache events on the wire, in vLLM's format, so vllm-router's `kv_aware` policy and other prefix-aware
+"""KV cache events on the wire in vLLM's format, so vllm-router's `kv_aware` policy and other prefix-aware
 routers see what this replica's prefix cache holds.
 
 Wire (vLLM's `ZmqEventPublisher`): a PUB socket sends one multipart message per engine step that changed the
 cache, `[topic, seq (8-byte big-endian), payload]`; the payload is msgpack `[ts, [event, ...], data_parallel_rank]`
-with each event a map tagged by `"type"` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`). Sequence numbers
-count from 0 in each process, so a subscriber that sees them go back knows the replica restarted. With a replay
-endpoint, a ROUTER socket answers `[identity, b"", start_seq]` with every buffered `[identity, b"", seq, payload]`
-from `start_seq` on, then `[identity, b"", -1, b""]`.
+with each event a map tagged by `"type"` (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) — the current vLLM
+encoding, and the only one vllm-router 0.1.17 accepts ("KV event must be a tagged map"); older vLLM releases,
+and subscribers written against them, encode each event as a positional array instead. Sequence numbers count
+from 0 in each process, so a subscriber that sees them go back knows the replica restarted, and one that sees
+a gap knows it missed batches. With a replay endpoint, a ROUTER socket answers `[identity, b"", start_seq]`
+with every buffered `[identity, b"", seq, payload]` from `start_seq` on, then `[identity, b"", -1, b""]`.
 
 The engine core calls `publish` (never blocks); a thread owns the sockets (ZeroMQ sockets are not thread-safe).
 """
@@ -103,86 +105,92 @@ def _binds(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
-    """Owns the PUB (and replay ROUTER) sockets on a thread. `publish` from the engine core, `close` once."""
+    """Owns the PUB (and replay ROUTER) sockets on a thread. `publish` from the engine core's thread, `close`
+    once. A batch is numbered when it is published, so one dropped before it is sent leaves a gap a subscriber
+    sees."""
 
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
         self.config, self.data_parallel_rank = config, data_parallel_rank
-        self._queue: queue.Queue[list[kv_events.KVCacheEvent] | None] = queue.Queue(config.max_queue_size)
-        self._context = zmq.Context()
-        self._stopped = threading.Event()
+        self._queue: queue.Queue[tuple[int, list[kv_events.KVCacheEvent]] | None] = queue.Queue(config.max_queue_size)
+        self._next_seq = 0
         self.num_dropped = 0  # batches lost because the sending thread fell behind
+        self._closing = threading.Event()
+        self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
+        endpoint = config.endpoint
         try:
-            (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
+            (self._pub.bind if _binds(endpoint) else self._pub.connect)(endpoint)
             if config.replay_endpoint is not None:
+                endpoint = config.replay_endpoint
                 self._replay = self._context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise OSError(f"kv_events_config: cannot open {config.endpoint}: {exc}") from None
+            raise OSError(f"kv_events_config: cannot open {endpoint}: {exc}") from None
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
     def publish(self, events: list[kv_events.KVCacheEvent]) -> None:
         """Queue one step's events (a no-op for none). Never blocks: when the queue is full the oldest batch is
-        dropped, and a subscriber sees the gap in the sequence numbers."""
-        if not events or self._stopped.is_set():
+        dropped (its sequence number is then missing on the wire)."""
+        if not events or self._closing.is_set() or not self._thread.is_alive():
             return
+        item = (self._next_seq, events)
+        self._next_seq += 1
         while True:
             try:
-                self._queue.put_nowait(events)
+                self._queue.put_nowait(item)
                 return
             except queue.Full:
                 with contextlib.suppress(queue.Empty):
                     self._queue.get_nowait()
                     self.num_dropped += 1
+                    if self.num_dropped % 1000 == 1:
+                        logger.warning("KV event publisher behind: %d batches dropped so far", self.num_dropped)
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is queued (for up to `timeout_s`), then close the sockets."""
-        if self._stopped.is_set():
+        """Send what is queued (for up to `timeout_s`); the thread then closes the sockets. Idempotent."""
+        if self._closing.is_set():
             return
+        self._closing.set()
         with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=timeout_s)
         self._thread.join(timeout_s)
-        self._stopped.set()
-        if not self._thread.is_alive():
-            self._close_sockets()
 
     # -- the thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        """Until `close`: send each queued batch; answer replay requests between batches. Closes the sockets."""
         encoder = msgspec.msgpack.Encoder()
         topic = self.config.topic.encode()
-        buffer: deque[tuple[bytes, bytes]] = deque(maxlen=self.config.buffer_steps)
-        seq = 0
+        # Replay buffer: (seq, payload) of the last buffer_steps batches (kept only with a replay socket).
+        buffer: deque[tuple[bytes, bytes]] = deque(maxlen=self.config.buffer_steps if self._replay else 0)
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         try:
-            while not self._stopped.is_set():
+            while True:
                 try:
-                    events = self._queue.get(timeout=0 if self._replay is not None else _WAIT_S)
+                    item = self._queue.get(timeout=0 if self._replay is not None else _WAIT_S)
                 except queue.Empty:
-                    events = ...
-                if events is None:
+                    if self._replay is not None and poller.poll(_REPLAY_POLL_MS):
+                        self._answer_replay(buffer)
+                    continue
+                if item is None:
                     return
-                if events is not ...:
-                    batch = KVEventBatch(time.time(), to_wire(events), self.data_parallel_rank)
-                    payload = encoder.encode(batch)
-                    seq_bytes = seq.to_bytes(8, "big")
-                    seq += 1
-                    buffer.append((seq_bytes, payload))
-                    with contextlib.suppress(zmq.Again):
-                        self._pub.send_multipart((topic, seq_bytes, payload), zmq.NOBLOCK)
-                    continue  # drain the queue before waiting on the replay socket
-                if self._replay is not None and poller.poll(_REPLAY_POLL_MS):
-                    self._answer_replay(buffer)
-        except zmq.ZMQError:
-            if not self._stopped.is_set():
-                logger.exception("the KV event publisher stopped")
+                seq, events = item
+                payload = encoder.encode(KVEventBatch(time.time(), to_wire(events), self.data_parallel_rank))
+                seq_bytes = seq.to_bytes(8, "big")
+                buffer.append((seq_bytes, payload))
+                with contextlib.suppress(zmq.Again):
+                    self._pub.send_multipart((topic, seq_bytes, payload), zmq.NOBLOCK)
+        except Exception:  # events stop (publish becomes a no-op); serving goes on
+            logger.exception("the KV event publisher stopped")
+        finally:
+            self._close_sockets()
 
     def _answer_replay(self, buffer: deque[tuple[bytes, bytes]]) -> None:
         assert self._replay is not None
