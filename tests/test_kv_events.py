@@ -4,6 +4,7 @@ manager's cached hashes, and every `BlockStored` rebuilds its hashes from its to
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,7 +53,19 @@ def admit(kv: KVCacheManager, r: Request) -> bool:
 def test_events_off_by_default_record_nothing() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     assert admit(kv, Request("a", list(range(12)), SamplingParams()))
-    assert kv.take_events() == [] and kv.cached_block_hashes()
+    assert kv.take_events() == [] and kv.snapshot_events() == [] and kv.cached_block_hashes()
+
+
+def test_a_snapshot_gathers_each_chain_into_one_event_after_its_parent() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_kv_events=True)
+    a = Request("a", list(range(13)), SamplingParams())  # blocks 0-2 of the shared chain
+    b = Request("b", [*range(8), 90, 91, 92, 93, 94], SamplingParams())  # shares blocks 0-1, then its own
+    assert admit(kv, a) and admit(kv, b)
+    kv.take_events()
+    cleared, *stored = kv.snapshot_events()
+    assert cleared == AllBlocksCleared()
+    assert [e.block_hashes for e in stored] == [tuple(a.block_hashes[:3]), (b.block_hashes[2],)]
+    assert stored[1].parent_block_hash == a.block_hashes[1] and stored[1].token_ids == (90, 91, 92, 93)
 
 
 def test_stored_removed_and_cleared_in_order() -> None:
@@ -150,6 +163,18 @@ def test_a_subscriber_replaying_the_events_holds_what_the_manager_holds(seed: in
                 check_chain(event)
         apply(held, events)
         assert held == kv.cached_block_hashes()
+        if n % 5 == 4:  # a subscriber joining now, from the snapshot alone
+            joined: set[bytes] = {b"stale"}
+            snapshot = kv.snapshot_events()
+            assert isinstance(snapshot[0], AllBlocksCleared)
+            for event in snapshot:
+                if isinstance(event, BlockStored):
+                    check_chain(event)
+                    parent = event.parent_block_hash
+                    # parents first; a chain whose parent left the cache is announced with that parent
+                    assert parent is None or parent in joined or parent not in kv.cached_block_hashes()
+                apply(joined, [event])
+            assert joined == kv.cached_block_hashes()
 
 
 # -- on the wire (vLLM's format), read back by a plain ZeroMQ subscriber ---------------------------------------
@@ -190,6 +215,11 @@ def test_the_publisher_speaks_vllms_wire_format_and_replays() -> None:
         r = Request("a", list(range(9)), SamplingParams(), mm_inputs=[image])
         assert admit(kv, r)
         first = kv.take_events()
+        deadline = time.monotonic() + 10
+        while not publisher.take_snapshot_request():  # the XPUB socket heard the subscription
+            assert time.monotonic() < deadline, "a subscription did not ask for a snapshot"
+            time.sleep(0.01)
+        assert not publisher.take_snapshot_request()  # once per subscription
         # A PUB socket drops what is sent before the subscription reaches it: publish until one arrives.
         deadline_polls = 50
         while not sub.poll(100):

@@ -252,26 +252,25 @@ def test_cache_aware_keeps_each_prefix_family_on_one_replica_under_concurrency(
 def test_kv_aware_routes_each_family_to_the_replica_whose_kv_events_hold_its_prefix(
     replicas: list[Replica], model: Path, events: KVEventLog
 ) -> None:
-    """With the router running, each family's prefix is put on a replica of the test's choosing, straight to
-    that replica (the router never sees those requests): only the replica's KV events can tell the router where
-    each prefix is."""
+    """Each family's prefix is put on a replica of the test's choosing, straight to that replica and before the
+    router starts (a router restarted after the caches filled): only the cache snapshot each replica sends a
+    new subscriber can tell the router where each prefix is."""
     requests = text_families(seed=2, num_families=4, per_family=4)
     home = {f: replicas[(f + 1) % 2].url for f in range(4)}  # family 0 on the second replica: no tie-break luck
     warm: dict[int, FamilyRequest] = {}
     for fr in requests:
         warm.setdefault(fr.family, fr)
     rest = [fr for fr in requests if warm[fr.family] is not fr]
+    for family, fr in warm.items():
+        body = {"model": SERVED_MODEL_NAME, "messages": fr.request.messages, "max_tokens": 1}
+        assert httpx.post(home[family] + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    homes = served_by(events, replicas[0].url, list(warm.values()))
+    assert homes == [[home[f]] for f in warm], "the warm-up prefixes are not where the test put them"
+    cleared = events.num_cleared()
     router = RouterProcess("kv_aware", replicas, model)
     try:
-        # The router subscribes as it starts (before it reports healthy); a PUB socket drops what it sends
-        # before a subscription reaches it, and the router has no way to say it is subscribed: a margin.
-        time.sleep(2.0)
-        for family, fr in warm.items():
-            body = {"model": SERVED_MODEL_NAME, "messages": fr.request.messages, "max_tokens": 1}
-            assert httpx.post(home[family] + "/v1/chat/completions", json=body, timeout=60).status_code == 200
-        homes = served_by(events, replicas[0].url, list(warm.values()))
-        assert homes == [[home[f]] for f in warm], "the warm-up prefixes are not where the test put them"
-        time.sleep(0.5)  # the same events reach the router's subscriber
+        events.wait_for_snapshots(cleared)  # sent to every subscriber when the router's subscription arrived
+        time.sleep(0.3)  # and applied by the router
         for fr in rest:  # one at a time: equal load, so only the prefix decides
             timing = asyncio.run(run_all(router.url, [fr], concurrency=1))[0]
             assert timing.success, timing.error

@@ -205,6 +205,7 @@ class _ReplicaEvents:
     stored_hashes: list[bytes] = field(default_factory=list)  # in announcement order
     chains_ok: bool = True  # every BlockStored's hashes follow from its tokens, media keys and parent
     num_decode_errors: int = 0  # batches that were not vLLM's format
+    num_cleared: int = 0  # AllBlocksCleared events: a reset, or a snapshot sent because someone subscribed
     num_batches: int = 0
     last_seq: int | None = None
 
@@ -272,31 +273,35 @@ class KVEventLog:
                     log.held.difference_update(event["block_hashes"])
                 elif kind == "AllBlocksCleared":
                     log.held.clear()
+                    log.num_cleared += 1
 
     def snapshot(self, url: str) -> _ReplicaEvents:
         with self._lock:
             log = self.by_url[url]
             return _ReplicaEvents(set(log.held), set(log.stored_blocks), list(log.stored_hashes), log.chains_ok,
-                                  log.num_decode_errors, log.num_batches, log.last_seq)  # fmt: skip
+                                  log.num_decode_errors, log.num_cleared, log.num_batches, log.last_seq)  # fmt: skip
 
     def wait_until_subscribed(self, timeout_s: float = 60.0) -> None:
-        """Until every replica's events arrive: a PUB socket drops what it sends before a subscription reaches it,
-        so each replica not heard from yet gets a one-token request of its own (new blocks, hence a batch) every
-        second until one arrives."""
-        import httpx
+        """Until every replica has answered this subscription with its cache snapshot (AllBlocksCleared, then
+        what it holds), so the log starts from the replicas' real state."""
+        self.wait_for_snapshots({url: 0 for url in self.by_url}, timeout_s)
 
+    def wait_for_snapshots(self, cleared_before: dict[str, int], timeout_s: float = 30.0) -> None:
+        """Until each replica in `cleared_before` has sent another AllBlocksCleared than it had then: the
+        snapshot a new subscriber (a router starting) triggers reaches every subscriber, this log included."""
         deadline = time.monotonic() + timeout_s
         while True:
-            silent = [url for url, log in self.by_url.items() if log.num_batches == 0]
-            if not silent:
+            with self._lock:
+                waiting = [url for url, n in cleared_before.items() if self.by_url[url].num_cleared <= n]
+            if not waiting:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no KV events from {silent}")
-            for url in silent:
-                body = {"model": SERVED_MODEL_NAME, "max_tokens": 1, "messages": [
-                    {"role": "user", "content": f"KV event probe {time.monotonic_ns()} " + "probe " * 40}]}
-                httpx.post(url + "/v1/chat/completions", json=body, timeout=60).raise_for_status()
-            time.sleep(1.0)
+                raise TimeoutError(f"no KV cache snapshot from {waiting}")
+            time.sleep(0.05)
+
+    def num_cleared(self) -> dict[str, int]:
+        with self._lock:
+            return {url: log.num_cleared for url, log in self.by_url.items()}
 
     def wait_for_blocks(self, blocks: list[tuple[int, ...]], timeout_s: float = 30.0) -> list[list[str]]:
         """For each block's tokens, the replicas that stored it, once every block is announced somewhere (or
@@ -387,7 +392,10 @@ async def run_policy(
     router: RouterProcess | None = None
     try:
         log.wait_until_subscribed()
+        cleared = log.num_cleared()
         router = RouterProcess(policy, replicas, model)
+        if policy == "kv_aware":
+            log.wait_for_snapshots(cleared)  # the router starts from what the replicas hold
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
             blocks = [last_full_block(await _prompt_tokens(client, replicas[0].url, fr.request), replicas[0].block_size)
                       for fr in requests]  # fmt: skip

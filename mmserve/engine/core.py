@@ -42,6 +42,7 @@ _CPU_KV_CACHE_MEMORY = 2 << 30  # default KV pool on CPU when neither blocks nor
 _GPU_KV_CACHE_FRACTION = 0.8  # of the memory free after the weights load
 _FAILED = "the request failed inside the engine"
 _GRAMMAR_WAIT_S = 0.05  # a step with nothing to run waits this long at most for a grammar to compile
+_SNAPSHOT_EVENTS_PER_BATCH = 16  # KV events (up to 1,024 blocks each) per snapshot message: a few MB at most
 
 __all__ = ["EngineCore", "EngineCoreOutputs", "StepRecord"]
 
@@ -151,7 +152,7 @@ class EngineCore:
             self._scheduler.finish_request(request_id, status)
         if self._structured is not None:
             self._structured.drop(request_ids)
-        self._publish_kv_events()  # an aborted grant's unwritten blocks left the cache: say so now, idle or not
+        self.publish_kv_events()  # an aborted grant's unwritten blocks left the cache: say so now, idle or not
 
     def has_unfinished_requests(self) -> bool:
         """Requests to serve, or finished ones the workers have not been told of (one more step)."""
@@ -159,11 +160,21 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         outputs = self._step()
-        self._publish_kv_events()
+        self.publish_kv_events()
         return outputs
 
-    def _publish_kv_events(self) -> None:
-        if self._kv_events is not None:
+    def publish_kv_events(self) -> None:
+        """Send what entered and left the prefix cache; to a subscriber that has just joined (and to every
+        other, idempotently), the whole cache instead. The serving loop calls it when idle, so a router that
+        subscribes to an idle replica learns what it holds."""
+        if self._kv_events is None:
+            return
+        if self._kv_events.take_snapshot_request():
+            self._scheduler.take_kv_events()  # included in the snapshot
+            events = self._scheduler.kv_snapshot_events()
+            for start in range(0, len(events), _SNAPSHOT_EVENTS_PER_BATCH):
+                self._kv_events.publish(events[start : start + _SNAPSHOT_EVENTS_PER_BATCH])
+        else:
             self._kv_events.publish(self._scheduler.take_kv_events())
 
     def _step(self) -> EngineCoreOutputs:
@@ -272,7 +283,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (only the blocks no request holds are dropped from the cache)."""
         self._scheduler.reset_prefix_cache()
-        self._publish_kv_events()
+        self.publish_kv_events()
         return True
 
     def inject_faults(self, action: str, request_ids: Iterable[str] = ()) -> None:

@@ -93,6 +93,7 @@ class CoreServer:
             t1 = clock()
             if not busy:
                 self.idle_s += t1 - t0
+                self.core.publish_kv_events()  # a router subscribing to an idle replica gets its cache
             if parent_sentinel is not None and parent_sentinel in events:
                 logger.warning("the engine core's parent process died: exiting")
                 return

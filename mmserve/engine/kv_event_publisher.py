@@ -32,8 +32,7 @@ from mmserve.scheduler import kv_events
 logger = logging.getLogger(__name__)
 
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-_WAIT_S = 0.1  # the thread's longest sleep with nothing to send (and no replay socket)
-_REPLAY_POLL_MS = 10  # with a replay socket: how long it waits for a request before looking at the queue again
+_POLL_MS = 10  # how long the thread waits on its sockets before looking at the queue again
 
 
 # vLLM's structs (vllm/distributed/kv_events.py): the field names are the wire format. Every field is sent,
@@ -115,8 +114,12 @@ class KVEventPublisher:
         self._next_seq = 0
         self.num_dropped = 0  # batches lost because the sending thread fell behind
         self._closing = threading.Event()
+        self._snapshot_requested = threading.Event()
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
+        # XPUB: a PUB socket that also hears each subscription (verbose: every subscriber's, not the first one
+        # per topic), so a subscriber that joins is sent the whole cache (`take_snapshot_request`).
+        self._pub = self._context.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
@@ -152,6 +155,14 @@ class KVEventPublisher:
                     if self.num_dropped % 1000 == 1:
                         logger.warning("KV event publisher behind: %d batches dropped so far", self.num_dropped)
 
+    def take_snapshot_request(self) -> bool:
+        """Whether a subscriber joined since the last call: then the caller publishes the whole cache
+        (`KVCacheManager.snapshot_events`) in place of its pending events, which the snapshot includes."""
+        if not self._snapshot_requested.is_set():
+            return False
+        self._snapshot_requested.clear()
+        return True
+
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (for up to `timeout_s`); the thread then closes the sockets. Idempotent."""
         if self._closing.is_set():
@@ -169,14 +180,18 @@ class KVEventPublisher:
         # Replay buffer: (seq, payload) of the last buffer_steps batches (kept only with a replay socket).
         buffer: deque[tuple[bytes, bytes]] = deque(maxlen=self.config.buffer_steps if self._replay else 0)
         poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)  # subscriptions
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         try:
             while True:
                 try:
-                    item = self._queue.get(timeout=0 if self._replay is not None else _WAIT_S)
+                    item = self._queue.get_nowait()
                 except queue.Empty:
-                    if self._replay is not None and poller.poll(_REPLAY_POLL_MS):
+                    ready = dict(poller.poll(_POLL_MS))
+                    if self._pub in ready:
+                        self._read_subscriptions()
+                    if self._replay is not None and self._replay in ready:
                         self._answer_replay(buffer)
                     continue
                 if item is None:
@@ -191,6 +206,16 @@ class KVEventPublisher:
             logger.exception("the KV event publisher stopped")
         finally:
             self._close_sockets()
+
+    def _read_subscriptions(self) -> None:
+        """XPUB frames: b"\x01" + topic when a subscriber subscribes, b"\x00" + topic when it leaves."""
+        while True:
+            try:
+                frame = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frame[:1] == b"\x01":
+                self._snapshot_requested.set()
 
     def _answer_replay(self, buffer: deque[tuple[bytes, bytes]]) -> None:
         assert self._replay is not None

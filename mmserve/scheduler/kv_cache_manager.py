@@ -54,6 +54,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens found
         # Hashes in and out of `_cached`, in order, until `take_events` (None: nobody listens).
         self._events: list[KVCacheEvent] | None = [] if enable_kv_events and enable_prefix_caching else None
+        # With events: what each cached hash was announced with (parent hash, its block_size token ids, its
+        # media keys), so `snapshot_events` can announce the whole cache again to a subscriber that joins late.
+        self._announced: dict[bytes, tuple[bytes | None, tuple[int, ...], tuple[str, ...] | None]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -91,6 +94,37 @@ class KVCacheManager:
     def cached_block_hashes(self) -> frozenset[bytes]:
         """The hashes a new request can hit now (what the KV events announce)."""
         return frozenset(self._cached)
+
+    def snapshot_events(self, max_blocks_per_event: int = 1024) -> list[KVCacheEvent]:
+        """The cache as events: `AllBlocksCleared`, then a `BlockStored` for every cached hash, each after its
+        parent's (depth first from the chains' first blocks, so a chain's blocks share one event up to
+        `max_blocks_per_event`). A subscriber that applies them holds exactly `cached_block_hashes()`."""
+        if self._events is None:
+            return []
+        children: dict[bytes | None, list[bytes]] = {}
+        for block_hash, (parent, _, _) in self._announced.items():
+            children.setdefault(parent if parent in self._announced else None, []).append(block_hash)
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        run: list[bytes] = []  # a chain being gathered into one event: run[i] is run[i + 1]'s parent
+
+        def flush() -> None:
+            if run:
+                parent = self._announced[run[0]][0]
+                events.append(BlockStored(
+                    block_hashes=tuple(run), parent_block_hash=parent,
+                    token_ids=tuple(t for h in run for t in self._announced[h][1]), block_size=self.block_size,
+                    extra_keys=tuple(self._announced[h][2] for h in run)))  # fmt: skip
+                run.clear()
+
+        stack = list(reversed(children.get(None, [])))
+        while stack:
+            block_hash = stack.pop()
+            if run and (self._announced[block_hash][0] != run[-1] or len(run) == max_blocks_per_event):
+                flush()
+            run.append(block_hash)
+            stack.extend(reversed(children.get(block_hash, [])))
+        flush()
+        return events
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call (empty when KV events are off)."""
@@ -174,6 +208,7 @@ class KVCacheManager:
         """Forget every cached hash (e.g. after weights change)."""
         if self._events is not None and self._cached:
             self._events.append(AllBlocksCleared())
+        self._announced.clear()
         self._cached.clear()
         self._block_hash = [None] * self.num_blocks
         self._req_num_hashed = dict.fromkeys(self._req_num_hashed, 0)
@@ -191,6 +226,7 @@ class KVCacheManager:
         """The block's content no longer counts as `block_hash` (it will be overwritten, or never was written)."""
         if self._cached.get(block_hash) == block_id:
             del self._cached[block_hash]
+            self._announced.pop(block_hash, None)
             if self._events is not None:
                 last = self._events[-1] if self._events else None
                 if isinstance(last, BlockRemoved):  # one event for a run of removals
@@ -231,15 +267,17 @@ class KVCacheManager:
                 runs.append([i])
         for run in runs:
             first, end = run[0], run[-1] + 1
-            self._events.append(
-                BlockStored(
-                    block_hashes=tuple(hashes[first:end]),
-                    parent_block_hash=hashes[first - 1] if first else None,
-                    token_ids=tuple(request.all_token_ids[first * bs : end * bs]),
-                    block_size=bs,
-                    extra_keys=tuple(self._block_mm_hashes(request, i, bs) or None for i in run),
-                )
+            keys = tuple(self._block_mm_hashes(request, i, bs) or None for i in run)
+            event = BlockStored(
+                block_hashes=tuple(hashes[first:end]),
+                parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=tuple(request.all_token_ids[first * bs : end * bs]),
+                block_size=bs,
+                extra_keys=keys,
             )
+            self._events.append(event)
+            for k, i in enumerate(run):
+                self._announced[hashes[i]] = (hashes[i - 1] if i else None, event.token_ids[k * bs : (k + 1) * bs], keys[k])
 
     @staticmethod
     def _block_mm_hashes(request: Request, index: int, block_size: int) -> tuple[str, ...]:

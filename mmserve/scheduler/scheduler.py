@@ -212,6 +212,10 @@ class Scheduler:
         """What entered and left the prefix cache since the last call, in order (empty unless enabled)."""
         return self.kv.take_events()
 
+    def kv_snapshot_events(self) -> list[KVCacheEvent]:
+        """The whole prefix cache as events, for a subscriber that joined late (empty unless enabled)."""
+        return self.kv.snapshot_events()
+
     def request_ids(self) -> list[str]:
         """Every request the scheduler holds (waiting or running)."""
         return list(self.requests)
