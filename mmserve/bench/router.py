@@ -13,7 +13,6 @@ the same ports), `RouterProcess` (vllm-router over given replicas) and `KVEventL
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import shutil
@@ -42,6 +41,7 @@ from mmserve.bench.serve import (
     cache_figures,
     scrape_cache_counters,
     send_http,
+    wait_until_healthy,
 )
 
 SERVED_MODEL_NAME = "bench"
@@ -164,24 +164,11 @@ class RouterProcess:
         self.proc: subprocess.Popen | None = None
         try:
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-            self._wait_until_up(startup_timeout_s)
+            # /health is 200 once every worker is healthy (503 naming the others before)
+            wait_until_healthy(self.proc, self.url, startup_timeout_s, self.log_path, "vllm-router")
         except BaseException:
             self.close()
             raise
-
-    def _wait_until_up(self, timeout_s: float) -> None:
-        import httpx
-
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self._log.flush()
-                raise RuntimeError(f"vllm-router did not come up: {self.log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:  # every worker healthy
-                    return
-            time.sleep(0.2)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

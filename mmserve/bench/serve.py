@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import itertools
 import json
@@ -514,6 +515,20 @@ class InProcessServer:
         self._tmp.cleanup()
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path, what: str) -> None:
+    """Until `url`/health answers 200; raises with the tail of `log_path` if `proc` exits or `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not come up: {log_path.read_text()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+
+
 class ServerProcess:
     """`mmserve serve` in a child process on a free port, as it is deployed: its engine loop and event
     loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to a
@@ -566,20 +581,8 @@ class ServerProcess:
 
     def wait_until_up(self) -> None:
         """Until /health answers 200; raises with the log's tail if the server exits or times out first."""
-        import httpx
-
         assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self._log.flush()
-                raise RuntimeError(f"the server did not come up: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(self.proc, self.url, self.startup_timeout_s, self.log_path, "the server")
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
