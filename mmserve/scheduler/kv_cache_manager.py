@@ -95,36 +95,22 @@ class KVCacheManager:
         """The hashes a new request can hit now (what the KV events announce)."""
         return frozenset(self._cached)
 
-    def snapshot_events(self, max_blocks_per_event: int = 1024) -> list[KVCacheEvent]:
+    def snapshot_events(self) -> list[KVCacheEvent]:
         """The cache as events: `AllBlocksCleared`, then a `BlockStored` for every cached hash, each after its
-        parent's (depth first from the chains' first blocks, so a chain's blocks share one event up to
-        `max_blocks_per_event`). A subscriber that applies them holds exactly `cached_block_hashes()`."""
+        parent's (depth first from the chains' first blocks, so a chain's blocks share events). A subscriber
+        that applies them holds exactly `cached_block_hashes()`."""
         if self._events is None:
             return []
         children: dict[bytes | None, list[bytes]] = {}
         for block_hash, (parent, _, _) in self._announced.items():
             children.setdefault(parent if parent in self._announced else None, []).append(block_hash)
-        events: list[KVCacheEvent] = [AllBlocksCleared()]
-        run: list[bytes] = []  # a chain being gathered into one event: run[i] is run[i + 1]'s parent
-
-        def flush() -> None:
-            if run:
-                parent = self._announced[run[0]][0]
-                events.append(BlockStored(
-                    block_hashes=tuple(run), parent_block_hash=parent,
-                    token_ids=tuple(t for h in run for t in self._announced[h][1]), block_size=self.block_size,
-                    extra_keys=tuple(self._announced[h][2] for h in run)))  # fmt: skip
-                run.clear()
-
+        order: list[bytes] = []
         stack = list(reversed(children.get(None, [])))
         while stack:
             block_hash = stack.pop()
-            if run and (self._announced[block_hash][0] != run[-1] or len(run) == max_blocks_per_event):
-                flush()
-            run.append(block_hash)
+            order.append(block_hash)
             stack.extend(reversed(children.get(block_hash, [])))
-        flush()
-        return events
+        return [AllBlocksCleared(), *self._stored_events(order)]
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call (empty when KV events are off)."""
@@ -257,27 +243,33 @@ class KVCacheManager:
             self._record_stored(request, stored)
 
     def _record_stored(self, request: Request, indices: list[int]) -> None:
-        """One `BlockStored` per run of consecutive block indices of `request`."""
+        """Announce the blocks at `indices` of `request` (ascending) whose hashes entered the cache."""
         bs, hashes = self.block_size, request.block_hashes
-        runs: list[list[int]] = []
         for i in indices:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
+            tokens = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            keys = self._block_mm_hashes(request, i, bs) or None
+            self._announced[hashes[i]] = (hashes[i - 1] if i else None, tokens, keys)
+        self._events.extend(self._stored_events([hashes[i] for i in indices]))
+
+    def _stored_events(self, block_hashes: list[bytes], max_blocks_per_event: int = 1024) -> list[BlockStored]:
+        """`BlockStored`s for announced hashes given parents first: a hash whose parent is the one before it
+        joins that one's event (up to `max_blocks_per_event` blocks)."""
+        runs: list[list[bytes]] = []
+        for block_hash in block_hashes:
+            if runs and self._announced[block_hash][0] == runs[-1][-1] and len(runs[-1]) < max_blocks_per_event:
+                runs[-1].append(block_hash)
             else:
-                runs.append([i])
-        for run in runs:
-            first, end = run[0], run[-1] + 1
-            keys = tuple(self._block_mm_hashes(request, i, bs) or None for i in run)
-            event = BlockStored(
-                block_hashes=tuple(hashes[first:end]),
-                parent_block_hash=hashes[first - 1] if first else None,
-                token_ids=tuple(request.all_token_ids[first * bs : end * bs]),
-                block_size=bs,
-                extra_keys=keys,
+                runs.append([block_hash])
+        return [
+            BlockStored(
+                block_hashes=tuple(run),
+                parent_block_hash=self._announced[run[0]][0],
+                token_ids=tuple(t for h in run for t in self._announced[h][1]),
+                block_size=self.block_size,
+                extra_keys=tuple(self._announced[h][2] for h in run),
             )
-            self._events.append(event)
-            for k, i in enumerate(run):
-                self._announced[hashes[i]] = (hashes[i - 1] if i else None, event.token_ids[k * bs : (k + 1) * bs], keys[k])
+            for run in runs
+        ]
 
     @staticmethod
     def _block_mm_hashes(request: Request, index: int, block_size: int) -> tuple[str, ...]:
