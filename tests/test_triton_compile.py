@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -38,11 +39,8 @@ from pathlib import Path
 
 import pytest
 
-if __name__ != "__main__":
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
 
 # Compute capability -> SM count the split-KV heuristic plans with (H100/H200 SXM: 132, A100: 108).
 ARCHS = {90: 132, 80: 108}
@@ -298,29 +296,25 @@ def _main(cases_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(report))
 
 
-if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
-    sys.exit(0)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The tests (pytest process).
 
 CASES = _cases()
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Runs the compile subprocess once over every case; its JSON report."""
-    tmp = tmp_path_factory.mktemp("triton-compile")
+def _compile_in_subprocess(tmp: Path, cases: list[dict], entry: str) -> dict:
+    """Runs `entry` (`_main` or `_moe_main`) of this file in a fresh process without the interpreter (the
+    GPU launch values, real compiles) over `cases`; its JSON report."""
     cases_path, out_path = tmp / "cases.json", tmp / "report.json"
-    cases_path.write_text(json.dumps(CASES))
+    cases_path.write_text(json.dumps(cases))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # a cold cache: every kernel is really compiled, ptxas runs
     env["TRITON_DUMP_PTXAS_LOG"] = "1"  # `ptxas -v` reports registers and spills
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(root), env.get("PYTHONPATH", "")])
+    code = f"import sys, {Path(__file__).stem} as t; t.{entry}(sys.argv[1], sys.argv[2])"
     proc = subprocess.run(
-        [sys.executable, __file__, str(cases_path), str(out_path)],
+        [sys.executable, "-c", code, str(cases_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -328,6 +322,12 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     assert proc.returncode == 0, f"compile subprocess failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Runs the compile subprocess once over every case; its JSON report."""
+    return _compile_in_subprocess(tmp_path_factory.mktemp("triton-compile"), CASES, "_main")
 
 
 def test_launch_values_are_the_gpu_ones(report: dict) -> None:
@@ -391,7 +391,7 @@ def test_every_path_was_launched(report: dict, case: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # The MoE kernels (`triton_moe`): the same recorder, binder and compile path, from their own subprocess
-# (`_moe_main`, reached through an import of this file, since the script entry above exits after `_main`).
+# (`_moe_main`).
 
 # (name, hidden, moe_intermediate, num_experts, top_k) from the Hugging Face configs; Qwen3-VL-30B-A3B and
 # Qwen3-VL-235B-A22B have the same text-model experts as their Qwen3 namesakes.
@@ -477,24 +477,7 @@ MOE_CASES = _moe_cases()
 @pytest.fixture(scope="module")
 def moe_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Runs the MoE compile subprocess once over every MoE case; its JSON report."""
-    tmp = tmp_path_factory.mktemp("triton-moe-compile")
-    cases_path, out_path = tmp / "cases.json", tmp / "report.json"
-    cases_path.write_text(json.dumps(MOE_CASES))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp / "cache")
-    env["TRITON_DUMP_PTXAS_LOG"] = "1"
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), str(root), env.get("PYTHONPATH", "")])
-    code = f"import sys, {Path(__file__).stem} as t; t._moe_main(sys.argv[1], sys.argv[2])"
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(cases_path), str(out_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"compile subprocess failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out_path.read_text())
+    return _compile_in_subprocess(tmp_path_factory.mktemp("triton-moe-compile"), MOE_CASES, "_moe_main")
 
 
 def test_moe_launch_values_are_the_gpu_ones(moe_report: dict) -> None:
