@@ -24,10 +24,36 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
 
 
+def _chosen(variable: str, default: str, choices: tuple[str, ...]) -> str:
+    """The backend the environment variable names, else `default`; a name not in `choices` is an error."""
+    name = os.environ.get(variable, "").strip().lower() or default
+    if name not in choices:
+        raise ValueError(f"{variable}={name!r} is not available; choose from {choices}")
+    return name
+
+
+def _require_triton(variable: str) -> None:
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{variable}=triton, but triton is not installed")
+
+
+def _check_triton_kernels(variable: str, device: torch.device, consistent: bool, interpreted: bool) -> None:
+    """Triton picks compiled or interpreted kernels when they are decorated, i.e. when their module is first
+    imported: they must agree with the `import triton` before them, and off CUDA they must be interpreted."""
+    if not consistent:
+        raise ValueError(
+            "TRITON_INTERPRET changed between the first `import triton` and the import of mmserve's "
+            "triton kernels; set it (or not) before anything imports triton"
+        )
+    if torch.device(device).type != "cuda" and not interpreted:
+        raise ValueError(
+            f"{variable}=triton on a non-CUDA device needs TRITON_INTERPRET=1 in the environment before "
+            "triton is first imported (the kernels then run in Triton's interpreter)"
+        )
+
+
 def get_attention_backend(device: torch.device) -> AttentionBackend:
-    name = os.environ.get("MMSERVE_ATTENTION_BACKEND", "").strip().lower() or default_backend(device)
-    if name not in BACKENDS:
-        raise ValueError(f"MMSERVE_ATTENTION_BACKEND={name!r} is not available; choose from {BACKENDS}")
+    name = _chosen("MMSERVE_ATTENTION_BACKEND", default_backend(device), BACKENDS)
     if name == "triton":
         return _triton_backend(device)
     if name == "cpu":
@@ -47,21 +73,11 @@ def default_backend(device: torch.device) -> str:
 
 
 def _triton_backend(device: torch.device) -> AttentionBackend:
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("MMSERVE_ATTENTION_BACKEND=triton, but triton is not installed")
+    _require_triton("MMSERVE_ATTENTION_BACKEND")
     from mmserve.kernels import triton_attention, triton_cache
 
-    # Triton picks compiled or interpreted kernels when they are decorated, i.e. at the import above.
-    if not triton_attention.CONSISTENT or triton_cache.INTERPRETED != triton_attention.INTERPRETED:
-        raise ValueError(
-            "TRITON_INTERPRET changed between the first `import triton` and the import of mmserve's "
-            "triton kernels; set it (or not) before anything imports triton"
-        )
-    if torch.device(device).type != "cuda" and not triton_attention.INTERPRETED:
-        raise ValueError(
-            "MMSERVE_ATTENTION_BACKEND=triton on a non-CUDA device needs TRITON_INTERPRET=1 in the "
-            "environment before triton is first imported (the kernels then run in Triton's interpreter)"
-        )
+    consistent = triton_attention.CONSISTENT and triton_cache.INTERPRETED == triton_attention.INTERPRETED
+    _check_triton_kernels("MMSERVE_ATTENTION_BACKEND", device, consistent, triton_attention.INTERPRETED)
     return AttentionBackend("triton", triton_cache.store_kv_cache, triton_attention.paged_attention)
 
 
@@ -75,9 +91,7 @@ class MoEBackend:
 
 
 def get_moe_backend(device: torch.device) -> MoEBackend:
-    name = os.environ.get("MMSERVE_MOE_BACKEND", "").strip().lower() or default_moe_backend(device)
-    if name not in MOE_BACKENDS:
-        raise ValueError(f"MMSERVE_MOE_BACKEND={name!r} is not available; choose from {MOE_BACKENDS}")
+    name = _chosen("MMSERVE_MOE_BACKEND", default_moe_backend(device), MOE_BACKENDS)
     if name == "triton":
         return _triton_moe_backend(device)
     return MoEBackend("torch", moe.fused_moe)
@@ -89,18 +103,8 @@ def default_moe_backend(device: torch.device) -> str:
 
 
 def _triton_moe_backend(device: torch.device) -> MoEBackend:
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("MMSERVE_MOE_BACKEND=triton, but triton is not installed")
+    _require_triton("MMSERVE_MOE_BACKEND")
     from mmserve.kernels import triton_moe
 
-    if not triton_moe.CONSISTENT:
-        raise ValueError(
-            "TRITON_INTERPRET changed between the first `import triton` and the import of mmserve's "
-            "triton kernels; set it (or not) before anything imports triton"
-        )
-    if torch.device(device).type != "cuda" and not triton_moe.INTERPRETED:
-        raise ValueError(
-            "MMSERVE_MOE_BACKEND=triton on a non-CUDA device needs TRITON_INTERPRET=1 in the environment "
-            "before triton is first imported (the kernels then run in Triton's interpreter)"
-        )
+    _check_triton_kernels("MMSERVE_MOE_BACKEND", device, triton_moe.CONSISTENT, triton_moe.INTERPRETED)
     return MoEBackend("triton", triton_moe.fused_moe)
