@@ -35,24 +35,24 @@ _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_MS = 10  # how long the thread waits on its sockets before looking at the queue again
 
 
-# vLLM's structs (vllm/distributed/kv_events.py): the field names are the wire format. Every field is sent,
-# None included (vllm-router refuses an event that lacks one).
+# vLLM's structs (vllm/distributed/kv_events.py): the field names are the wire format (its lists are tuples
+# here: the same msgpack arrays). Every field is sent, None included (vllm-router refuses an event that lacks one).
 class BlockStored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: list[bytes]
+    block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: list[list[str] | None] | None = None  # per block: the mm_hashes in its hash
+    extra_keys: tuple[tuple[str, ...] | None, ...] | None = None  # per block: the mm_hashes in its hash
     group_idx: int | None = None  # the KV cache group (one group here: full attention)
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: list[bytes]
+    block_hashes: tuple[bytes, ...]
     medium: str | None = None
     group_idx: int | None = None
 
@@ -73,17 +73,16 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 MEDIUM = "GPU"
 
 
-def to_wire(events: list[kv_events.KVCacheEvent], medium: str = MEDIUM) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+def to_wire(events: list[kv_events.KVCacheEvent]) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
     """The scheduler's events as vLLM's structs."""
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for event in events:
         if isinstance(event, kv_events.BlockStored):
-            extra = [list(keys) if keys else None for keys in event.extra_keys]
-            out.append(BlockStored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
-                                   event.block_size, medium=medium,
-                                   extra_keys=extra if any(extra) else None))  # fmt: skip
+            extra = event.extra_keys if any(event.extra_keys) else None
+            out.append(BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                                   medium=MEDIUM, extra_keys=extra))  # fmt: skip
         elif isinstance(event, kv_events.BlockRemoved):
-            out.append(BlockRemoved(list(event.block_hashes), medium=medium))
+            out.append(BlockRemoved(event.block_hashes, medium=MEDIUM))
         else:
             out.append(AllBlocksCleared())
     return out
