@@ -28,12 +28,19 @@ class SchedulerConfig:
     # (its time over a decoder token's), so a step that encodes also prefills less and the longest step
     # stays near the others. 0: the encoder has only its own budget, max_num_encoder_tokens.
     encoder_token_cost: float = 0.0
+    # A step that carries running decodes is sized so that its predicted time (the online step-time model,
+    # scheduler/step_time.py) stays within this, whatever the model and the machine: the decodes' inter-token
+    # time. Every chunking policy (fcfs, priority, slo) plans to it; max_num_batched_tokens stays the upper
+    # bound. None: fixed token budgets only.
+    max_step_ms: float | None = 250.0
+    # Steps are planned to (1 - this) x their time target (max_step_ms, or slo's TBT), further divided by the
+    # step-time model's measured error factor (a high quantile of measured / predicted).
+    step_time_headroom: float = 0.1
     # -- the `slo` policy (scheduler/slo.py); other policies ignore these -------------------------
     interactive_slo: SLO = DEFAULT_INTERACTIVE_SLO  # class defaults, under a request's own targets
     batch_slo: SLO = DEFAULT_BATCH_SLO
     max_batch_decode_skips: int = 4  # a running batch decode waits at most this many steps in a row
     batch_min_share: float = 0.1  # of a step's tokens and predicted time, kept for batch work if any
-    step_time_headroom: float = 0.1  # steps are planned to (1 - this) x the tightest TBT target
     # TPOT is a mean: a stream ahead of its TBT pace (tokens so far x TBT > time since its first token)
     # may lend up to this much of its lead to one step, for a bigger prefill chunk. 0: every step fits
     # the TBT target (a bound on each inter-token gap, not only on their mean).
@@ -71,6 +78,14 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0.0):
                 raise InvalidRequestError(f"{name}: must be a number >= 0, got {value!r}", param=name)
+        if self.max_step_ms is not None:
+            value = self.max_step_ms
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0.0):
+                raise InvalidRequestError(
+                    f"max_step_ms: must be a number >= 0 (0: no time budget), got {value!r}", param="max_step_ms"
+                )
+            if value == 0:
+                object.__setattr__(self, "max_step_ms", None)
         if self.admission_control not in ADMISSION_MODES:
             raise InvalidRequestError(
                 f"admission_control: must be one of {', '.join(ADMISSION_MODES)}, got {self.admission_control!r}",
@@ -186,6 +201,9 @@ class EngineArgs:
     encoder_cache_size: int | None = None  # None: 4x the encoder budget, at least 8192
     chunk_encoder: bool = True  # False: encode each media item whole, as vLLM does
     encoder_token_cost: float = 0.0  # budget tokens per encoded embedding token; see SchedulerConfig
+    # Steps carrying running decodes are sized to stay within this (see SchedulerConfig.max_step_ms); 0 or None:
+    # fixed token budgets only.
+    max_step_ms: float | None = SchedulerConfig.max_step_ms
     # -- the `slo` policy (scheduler_policy="slo"; the others ignore these) --------------------------
     # Server defaults of the interactive class; a request's own `slo` overrides them field by field.
     # None: no target of that kind. Batch requests have no default target.
@@ -195,7 +213,7 @@ class EngineArgs:
     step_time_model: str | None = None  # JSON written by `mmserve bench profile`; None: built-in guess
     max_batch_decode_skips: int = SchedulerConfig.max_batch_decode_skips
     batch_min_share: float = SchedulerConfig.batch_min_share
-    step_time_headroom: float = SchedulerConfig.step_time_headroom  # steps planned to (1 - this) x TBT
+    step_time_headroom: float = SchedulerConfig.step_time_headroom  # steps planned to (1 - this) x their target
     tbt_slack_ms: float = SchedulerConfig.tbt_slack_ms  # a stream's lead on its TBT pace lent to one step
     # -- tensor parallelism ---------------------------------------------------------------------------------
     tensor_parallel_size: int = 1  # ranks one model is split over (processes; gloo on the CPU, NCCL on CUDA)
@@ -269,6 +287,7 @@ class EngineArgs:
             encoder_cache_size=self.encoder_cache_size,
             chunk_encoder=self.chunk_encoder,
             encoder_token_cost=self.encoder_token_cost,
+            max_step_ms=self.max_step_ms,
             interactive_slo=SLO(self.interactive_ttft_ms, self.interactive_tbt_ms),
             max_batch_decode_skips=self.max_batch_decode_skips,
             batch_min_share=self.batch_min_share,

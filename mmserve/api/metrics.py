@@ -67,6 +67,20 @@ class _StatsCollector(Collector):
                       "interactive latency (slo policy).", s.num_throttled_batch_decodes)  # fmt: skip
         yield counter("downgraded_requests", "Interactive requests admission control ran as batch "
                       "(slo policy).", s.num_downgraded_requests)  # fmt: skip
+        yield counter("rejected_requests", "Interactive requests admission control refused with 429 "
+                      "(slo policy, --slo-admission reject).", s.num_rejected_requests)  # fmt: skip
+        st = s.step_time
+        if st is not None:  # the online step-time model that sizes every step (scheduler/step_time.py)
+            yield counter("step_time_observed_seconds", "Measured wall time of the steps the step-time "
+                          "model was told about.", st.observed_s)  # fmt: skip
+            yield counter("step_time_predicted_seconds", "What the step-time model predicted for those "
+                          "steps when they were planned.", st.predicted_s)  # fmt: skip
+            yield counter("step_time_abs_error_seconds", "Sum of |observed - predicted| step time.",
+                          st.abs_error_s)  # fmt: skip
+            yield counter("step_time_observations", "Steps the step-time model was fitted on.", st.num_observed)
+            yield gauge("step_time_error_factor", "The planning margin: a high quantile of observed / "
+                        "predicted step time over recent steps (>= 1); time targets are divided by it.",
+                        st.error_factor)  # fmt: skip
         loop = self.loop()
         if loop is not None:  # the engine core runs in its own process
             parts = CounterMetricFamily(P + "engine_core_loop_seconds", "Wall time of the engine-core "

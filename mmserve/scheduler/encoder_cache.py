@@ -10,6 +10,7 @@ plan that evicted them, and it drops them before encoding that plan's work.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from mmserve.request import MultiModalInput
@@ -24,6 +25,11 @@ class EncoderGrant(NamedTuple):
     group: int
     cached: bool  # in the encoder cache already: shared, not encoded
     charge: int  # tokens of the step's token budget its encoding takes (SchedulerConfig.encoder_token_cost)
+
+
+def new_encoder_tokens(plan: Iterable[EncoderGrant]) -> int:
+    """Embedding tokens the encoder must compute for a plan (cached groups cost nothing)."""
+    return sum(g.mm.tokens_per_group for g in plan if not g.cached)
 
 
 class EncoderCacheManager:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from mmserve.config import CacheConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError
 from mmserve.request import Request, RequestStatus, ServiceClass
-from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderGrant, EncoderKey
+from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderGrant, EncoderKey, new_encoder_tokens
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.kv_events import KVCacheEvent
 from mmserve.scheduler.output import (
@@ -32,7 +32,13 @@ from mmserve.scheduler.output import (
 )
 from mmserve.scheduler.policy import get_policy
 from mmserve.scheduler.slo import SloPlanner
-from mmserve.scheduler.step_time import StepFeatures, StepTimeModel
+from mmserve.scheduler.step_time import StepFeatures, StepTimeModel, StepTimeStats
+
+# Under a time limit, the first prefill of a step may take at least this share of the planned step time
+# even when the decodes fill it (and its next piece, one token or one encoder group, if even that is too
+# little): when the decodes alone exceed the target the target is lost anyway, and a prefill that got
+# nothing would starve new requests (their TTFT) for as long as anyone decodes.
+PREFILL_FLOOR_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class SchedulerStats:
     num_preemptions_batch: int = 0
     num_throttled_batch_decodes: int = 0  # `slo`: steps a running batch decode was skipped
     num_downgraded_requests: int = 0  # `slo` admission control: interactive requests run as batch
+    num_rejected_requests: int = 0  # `slo` admission control: interactive requests refused (429)
+    step_time: StepTimeStats | None = None  # the step-time model against the measured steps
 
     @property
     def kv_cache_usage(self) -> float:
@@ -71,6 +79,17 @@ class _Step:
     encoder_work: list[EncoderWork] = field(default_factory=list)
     # Encoder-cache references to drop once the plan is complete; key None drops all of a request's.
     releases: list[tuple[str, EncoderKey | None]] = field(default_factory=list)
+    # Predicted seconds the step may still add (math.inf: no time limit), the planned limit itself, the
+    # predicted cost of each grant (returned on preemption), and whether a prefill got tokens yet.
+    seconds_left: float = math.inf
+    time_limit: float = math.inf
+    costs: dict[str, float] = field(default_factory=dict)
+    prefill_served: bool = False
+
+    def limit_time(self, limit: float, intercept: float) -> None:
+        """Plan this step to `limit` predicted seconds (math.inf: none)."""
+        self.time_limit = limit
+        self.seconds_left = limit - intercept
 
 
 class Scheduler:
@@ -258,6 +277,8 @@ class Scheduler:
             num_preemptions_batch=self.num_preemptions_by_class[ServiceClass.BATCH],
             num_throttled_batch_decodes=slo.throttled_batch_decodes if slo is not None else 0,
             num_downgraded_requests=slo.downgraded if slo is not None else 0,
+            num_rejected_requests=slo.rejected if slo is not None else 0,
+            step_time=self.step_time.stats(),
         )
 
     # -- one step ----------------------------------------------------------------------------------
@@ -269,6 +290,8 @@ class Scheduler:
             if self.policy.prefill_first:
                 self._schedule_waiting(step)
             if not step.grants:
+                if self.policy.chunked_prefill and any(r.is_decoding for r in self.running):
+                    step.limit_time(self.step_time_limit(), self.step_time.intercept())
                 preempted = self._schedule_running(step)
                 if not preempted and not self.policy.prefill_first:
                     self._schedule_waiting(step)
@@ -387,11 +410,13 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             start = request.num_computed_tokens
-            num_new_tokens, encoder_plan = self.plan_encoder(
-                request, start, min(request.num_tokens - start, step.budget), step
-            )
+            max_tokens = min(request.num_tokens - start, step.budget)
+            if request.is_decoding:  # a decode's token is never refused for time
+                num_new_tokens, encoder_plan = self.plan_encoder(request, start, max_tokens, step)
+            else:
+                num_new_tokens, encoder_plan = self.fit_prefill(step, request, start, max_tokens)
             if num_new_tokens <= 0:
-                continue  # its last sampled token is not applied yet, or the encoder budget is spent
+                continue  # its last sampled token is not applied yet, the encoder budget or the time is spent
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
                 self.preempt(step, victim)
@@ -418,8 +443,8 @@ class Scheduler:
                 and not request.num_preemptions
             ):
                 break
-            num_new_tokens, encoder_plan = self.plan_encoder(
-                request, num_cached, min(num_new_tokens, step.budget), step
+            num_new_tokens, encoder_plan = self.fit_prefill(
+                step, request, num_cached, min(num_new_tokens, step.budget)
             )
             if num_new_tokens <= 0:
                 break
@@ -438,6 +463,66 @@ class Scheduler:
             request.num_cached_tokens = num_cached
             request.first_scheduled_time = self.clock()
         self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+
+    def step_time_limit(self, target_s: float = math.inf) -> float:
+        """Predicted seconds a step that carries running decodes is planned to: the tighter of `target_s`
+        (the slo policy's TBT) and max_step_ms, less the headroom, divided by the step-time model's
+        measured error factor (so the margin widens while predictions miss). math.inf: no limit."""
+        if self.config.max_step_ms is not None:
+            target_s = min(target_s, self.config.max_step_ms / 1e3)
+        if target_s == math.inf:
+            return math.inf
+        return target_s * (1.0 - self.config.step_time_headroom) / self.step_time.error_factor()
+
+    def fit_prefill(self, step: _Step, request: Request, start: int, max_tokens: int) -> tuple[int, list[EncoderGrant]]:
+        """A prefill chunk from `start` (at most `max_tokens`) within the step's time left, with its encoder
+        plan. Without a time limit: what the budgets allow. The step's first prefill gets at least
+        PREFILL_FLOOR_SHARE of the limit, and if that is still too little, its next piece (`next_unit`)."""
+        if step.seconds_left == math.inf:
+            return self.plan_encoder(request, start, max_tokens, step)
+        seconds = step.seconds_left
+        if not step.prefill_served:
+            seconds = max(seconds, PREFILL_FLOOR_SHARE * step.time_limit)
+        n, plan = self.fit_to_time(step, request, start, max_tokens, seconds)
+        if n <= 0 and not step.prefill_served:
+            unit = min(self.next_unit(request, start, whole_group=True), max_tokens)
+            n, plan = self.plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
+        return n, plan
+
+    def fit_to_time(
+        self, step: _Step, request: Request, start: int, max_tokens: int, seconds: float
+    ) -> tuple[int, list[EncoderGrant]]:
+        """The most tokens from `start` (at most `max_tokens`) whose predicted cost, the encoder groups
+        they need included, fits `seconds`; with their encoder plan. A chunk that cannot take a group it
+        reaches ends right before it (its text before the group still fits)."""
+        model = self.step_time
+        n = min(max_tokens, model.tokens_within(seconds, start))
+        while n > 0:
+            n, plan = self.plan_encoder(request, start, n, step)
+            if n <= 0:
+                break
+            encoder_tokens = new_encoder_tokens(plan)
+            if model.grant_cost(start, n, encoder_tokens) <= seconds:
+                return n, plan
+            # Fewer text tokens with the same groups; if the groups alone do not fit, end before the last one.
+            fewer = min(n - 1, model.tokens_within(seconds, start, encoder_tokens))
+            new_groups = [g.mm.group_range(g.group)[0] for g in plan if not g.cached]
+            if fewer <= 0 and new_groups:
+                fewer = min(n - 1, max(new_groups) - start)
+            n = fewer
+        return 0, []
+
+    def next_unit(self, request: Request, start: int, whole_group: bool) -> int:
+        """The smallest grant from `start`: to the end of the encoder group `start` stands in, if that
+        group is not encoded yet (0 unless `whole_group`), else one token."""
+        for mm in request.mm_inputs:
+            first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
+            if first <= start < last:
+                group = (start - first) // mm.tokens_per_group
+                if self.encoder_cache.is_cached((mm.mm_hash, group)):
+                    return 1  # already encoded: its tokens cost what text costs
+                return mm.group_range(group)[1] - start if whole_group else 0
+        return 1
 
     def plan_encoder(
         self, request: Request, start: int, num_new_tokens: int, step: _Step
@@ -511,6 +596,10 @@ class Scheduler:
         encoder_plan: list[EncoderGrant],
     ) -> None:
         charge = sum(g.charge for g in encoder_plan)
+        cost = self.step_time.grant_cost(request.num_computed_tokens, num_new_tokens, new_encoder_tokens(encoder_plan))
+        step.costs[request.request_id] = cost
+        step.seconds_left -= cost
+        step.prefill_served |= not request.is_decoding
         step.grants[request.request_id] = num_new_tokens
         step.charges[request.request_id] = charge
         step.budget -= num_new_tokens + charge
@@ -528,6 +617,7 @@ class Scheduler:
         """Preemption by recompute: drop the request's KV and send it back to the waiting queue; what
         this step had granted it returns to the budget."""
         step.budget += step.grants.pop(request.request_id, 0) + step.charges.pop(request.request_id, 0)
+        step.seconds_left += step.costs.pop(request.request_id, 0.0)
         step.releases.append((request.request_id, None))
         self._sent.pop(request.request_id, None)
         self.running.remove(request)

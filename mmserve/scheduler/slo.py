@@ -5,13 +5,14 @@ control. Torch-free: it plans through the Scheduler's primitives and never sees 
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmserve.errors import MMServeError
 from mmserve.request import SLO, Request, RequestStatus, ServiceClass
-from mmserve.scheduler.encoder_cache import EncoderGrant
+from mmserve.scheduler.encoder_cache import EncoderGrant, new_encoder_tokens
 
 if TYPE_CHECKING:
     from mmserve.scheduler.scheduler import Scheduler, _Step
@@ -23,14 +24,19 @@ _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 class SloInfeasibleError(MMServeError):
     """Admission control in "reject" mode: the request's TTFT target cannot be met at the current
-    load. `Scheduler.add_request` raises it before the request is queued; the API answers 429."""
+    load. `Scheduler.add_request` raises it before the request is queued; the API answers 429 with
+    Retry-After: `retry_after_s`, the predicted time until the interactive work queued ahead drains."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Tier(enum.IntEnum):
     """Service order of prefill work (running chunks and waiting requests alike)."""
 
     FEASIBLE = 0  # interactive whose target can still be met (or has none): least slack first
-    LATE = 1  # interactive past hope, and aged batch: earliest deadline first
+    LATE = 1  # interactive past hope (alone, or behind the feasible ones), and aged batch: earliest deadline first
     BATCH = 2  # batch: earliest virtual deadline first, then arrival
 
 
@@ -81,12 +87,12 @@ class SloPlanner:
         self._skips: dict[str, int] = {}  # running batch decode -> steps skipped in a row
         self._pinned_until: dict[str, float] = {}  # not evicted before this clock time
         self._last_served: dict[str, float] = {}  # clock time of the request's latest grant
-        # Per step: predicted seconds of each grant, seconds left under the TBT target, and whether
-        # a running request had to evict to grow (then no batch request is admitted this step).
-        self._costs: dict[str, float] = {}
-        self._seconds_left = math.inf
+        # Per step: whether a running request had to evict to grow (then no batch request is admitted this
+        # step), and the interactive prefills that cannot all make their targets (see _late_prefills).
         self._now = 0.0
         self._evicted_for_growth = False
+        self._late: set[str] = set()
+        self._pace_s = math.inf  # the longest step that keeps every interactive stream on its TBT pace
         self.last_time_limit: float = math.inf  # the latest step's planned seconds (TBT less headroom)
 
     # -- targets -----------------------------------------------------------------------------------
@@ -126,6 +132,14 @@ class SloPlanner:
         due = request.first_token_time + request.num_output_tokens * tbt
         return min(max(due - now, tbt), tbt + self.config.tbt_slack_ms / 1e3)
 
+    def _pace_left(self, request: Request, now: float) -> float:
+        """Seconds from `now` until a decoding stream's next token is due on its mean TBT pace (after n
+        tokens, token n + 1 by first + n x TBT; math.inf: no TBT target)."""
+        tbt_ms = self.effective_slo(request).tbt_ms
+        if tbt_ms is None or request.first_token_time is None:
+            return math.inf
+        return request.first_token_time + request.num_output_tokens * tbt_ms / 1e3 - now
+
     def remaining_prefill_s(self, request: Request) -> float:
         """Predicted seconds to compute the request's uncomputed tokens in one step of its own,
         its not yet encoded media groups included. A lower bound: chunking only adds to it."""
@@ -139,11 +153,51 @@ class SloPlanner:
         model = self.sched.step_time
         return model.intercept() + model.grant_cost(start, request.num_tokens - start, encoder_tokens)
 
+    def prefill_rate(self) -> float:
+        """The share of wall time that prefill work gets: what the step's time limit leaves after the
+        running interactive decodes (1 without a limit), within [0.1, 1]."""
+        limit = self.last_time_limit
+        if limit == math.inf or limit <= 0.0:
+            return 1.0
+        model = self.sched.step_time
+        decodes = model.intercept() + sum(
+            model.grant_cost(r.num_computed_tokens, 1)
+            for r in self.sched.running
+            if r.is_decoding and r.service_class == INTERACTIVE
+        )
+        return min(max((limit - decodes) / limit, 0.1), 1.0)
+
+    def _late_prefills(self) -> set[str]:
+        """The interactive prefills (running chunks and waiting requests) left out so that as many others
+        as possible make their TTFT: Moore-Hodgson over their predicted prefill times, served earliest
+        deadline first at `prefill_rate` (when one would finish late, the longest so far is dropped). Least
+        slack first alone collapses under overload: it serves the most urgent, who then miss anyway, while
+        the ones behind them become urgent in turn."""
+        factor = self.sched.step_time.error_factor() / self.prefill_rate()
+        jobs = []
+        for r in self.sched.requests.values():
+            if r.service_class == INTERACTIVE and r.num_output_tokens == 0:
+                due = self.deadline(r)
+                if due != math.inf:
+                    jobs.append((due, r.arrival_seq, factor * self.remaining_prefill_s(r), r.request_id))
+        kept: list[tuple[float, int, str]] = []  # max-heap of (-seconds, -seq, id): the longest, latest on top
+        total, late = 0.0, set()
+        for due, seq, seconds, request_id in sorted(jobs):
+            heapq.heappush(kept, (-seconds, -seq, request_id))
+            total += seconds
+            if self._now + total > due:
+                longest, _, dropped = heapq.heappop(kept)
+                total += longest
+                late.add(dropped)
+        return late
+
     def prefill_key(self, request: Request) -> tuple[Tier, float, int]:
         """Sort key of prefill work: (tier, slack or deadline, arrival order)."""
         if request.service_class == INTERACTIVE:
             due = self.deadline(request)
             slack = due - self._now - self.remaining_prefill_s(request)
+            if request.request_id in self._late and due != math.inf:
+                return Tier.LATE, due, request.arrival_seq
             if slack >= 0.0 or due == math.inf:
                 return Tier.FEASIBLE, slack, request.arrival_seq
             return Tier.LATE, due, request.arrival_seq
@@ -166,18 +220,21 @@ class SloPlanner:
         due = self.deadline(request)
         if due == math.inf:
             return
-        ahead = sum(
+        # The work due before it, at the share of each step that prefills get and the model's error margin.
+        factor = self.sched.step_time.error_factor() / self.prefill_rate()
+        ahead = factor * sum(
             self.remaining_prefill_s(r)
             for r in self.sched.requests.values()
             if r.service_class == INTERACTIVE and r.num_output_tokens == 0 and self.deadline(r) <= due
         )
-        if now + ahead + self.remaining_prefill_s(request) <= due:
+        if now + ahead + factor * self.remaining_prefill_s(request) <= due:
             return
         if mode == "reject":
             self.counters.rejected += 1
             raise SloInfeasibleError(
                 f"the request's time-to-first-token target cannot be met at the current load "
-                f"(predicted {1e3 * (now + ahead - request.arrival_time):.0f} ms of queued work ahead of it)"
+                f"(predicted {1e3 * (now + ahead - request.arrival_time):.0f} ms of queued work ahead of it)",
+                retry_after_s=max(1.0, math.ceil(ahead)),
             )
         request.class_override = BATCH
         self.counters.downgraded += 1
@@ -186,7 +243,6 @@ class SloPlanner:
     def fill(self, step: _Step, now: float) -> None:
         sched = self.sched
         self._now = now
-        self._costs = {}
         self._evicted_for_growth = False
         self._forget_finished()
         running = list(sched.running)
@@ -196,13 +252,16 @@ class SloPlanner:
         max_skips = self.config.max_batch_decode_skips
         forced = [r for r in batch_decodes if self._skips.get(r.request_id, 0) >= max_skips]
 
-        # The time budget: the tightest TBT target among streams that are decoding now (plus what each
-        # may lend of its lead, see tbt_allowance), less the headroom kept for prediction error (a step
-        # planned to exactly the target misses it half the time).
+        # The time budget, when interactive streams decode: the tightest TBT target among them (plus what
+        # each may lend of its lead, see tbt_allowance) and max_step_ms, less the headroom kept for
+        # prediction error (a step planned to exactly the target misses it half the time; see
+        # step_time_limit). Batch streams have no latency target: alone, they do not limit the step.
         allowances = [a for r in interactive_decodes if (a := self.tbt_allowance(r, now)) is not None]
-        headroom = 1.0 - self.config.step_time_headroom
-        self.last_time_limit = min(allowances) * headroom if allowances else math.inf
-        self._seconds_left = self.last_time_limit - sched.step_time.intercept()
+        tbt = min(allowances, default=math.inf)
+        self.last_time_limit = sched.step_time_limit(tbt) if interactive_decodes else math.inf
+        step.limit_time(self.last_time_limit, sched.step_time.intercept())
+        self._late = self._late_prefills()
+        self._pace_s = min((self._pace_left(r, now) for r in interactive_decodes), default=math.inf)
 
         # 1. Mandatory decodes: never skipped for time, only for the hard budget or memory.
         for request in interactive_decodes + forced:
@@ -232,10 +291,10 @@ class SloPlanner:
         for request in urgent:
             progress = Progress.GROUP if request is first_late else Progress.NONE
             self._serve_prefill(step, request, reserve_tokens, reserve_seconds, progress, floor_seconds)
-        self._seconds_left = max(self._seconds_left, reserve_seconds)
+        step.seconds_left = max(step.seconds_left, reserve_seconds)
         for request in optional_decodes:
             if request.status == RequestStatus.RUNNING:
-                self._serve_running(step, request, 1, max_seconds=self._seconds_left)
+                self._serve_running(step, request, 1, max_seconds=step.seconds_left)
         batch_moved = any(r.request_id in step.grants for r in batch_decodes)
         for request in batch:
             progress = Progress.NONE if batch_moved else Progress.TOKEN
@@ -267,7 +326,7 @@ class SloPlanner:
         fill the target, or whose groups cost more than the target, still moves. True if granted."""
         sched = self.sched
         max_tokens = step.budget - reserve_tokens
-        seconds = self._seconds_left - reserve_seconds
+        seconds = step.seconds_left - reserve_seconds
         if progress:
             seconds = max(seconds, floor)
         if max_tokens <= 0 or sched.preempted_since_last_plan(request.request_id):
@@ -276,10 +335,9 @@ class SloPlanner:
             if request.request_id in step.grants:
                 return False
             start = request.num_computed_tokens
-            n, plan = self._fit(step, request, start, min(request.num_tokens - start, max_tokens), seconds)
+            n, plan = sched.fit_to_time(step, request, start, min(request.num_tokens - start, max_tokens), seconds)
             if n <= 0 and progress:
-                unit = min(self._next_unit(request, start, progress), max_tokens)
-                n, plan = sched.plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
+                n, plan = self._forced_piece(step, request, start, max_tokens, progress)
             return n > 0 and self._serve_running(step, request, n, plan)
         # Waiting since the step began (victims of this step were turned away above).
         if request.status not in _WAITING or len(sched.running) >= self.config.max_num_seqs:
@@ -289,12 +347,11 @@ class SloPlanner:
         while True:
             # Looked up again after each eviction: the victim's freed tail may have held a hit.
             computed_blocks, num_cached = sched.kv.get_computed_blocks(request)
-            n, plan = self._fit(
+            n, plan = sched.fit_to_time(
                 step, request, num_cached, min(request.num_tokens - num_cached, max_tokens), seconds
             )
             if n <= 0 and progress:
-                unit = min(self._next_unit(request, num_cached, progress), max_tokens)
-                n, plan = sched.plan_encoder(request, num_cached, unit, step) if unit > 0 else (0, [])
+                n, plan = self._forced_piece(step, request, num_cached, max_tokens, progress)
             if n <= 0:
                 return False
             if sched.kv.allocate_slots(request, n, computed_blocks) is not None:
@@ -306,6 +363,27 @@ class SloPlanner:
         sched.start_running(request, num_cached)
         self._record_grant(step, request, n, plan)
         return True
+
+    def _forced_piece(
+        self, step: _Step, request: Request, start: int, max_tokens: int, progress: Progress
+    ) -> tuple[int, EncoderPlan]:
+        """The request's smallest next piece from `start` (one token, or with GROUP the rest of the encoder
+        group `start` stands in); a piece of more than one token only if the step with it keeps every
+        interactive stream on its TBT pace: a
+        step may outgrow its planned time only by the lead the streams have built up (steps are planned
+        short of TBT, so they build it). Under overload this paces the late requests' forced progress
+        instead of stretching every step past the target, which would fail every stream's TPOT at once."""
+        sched = self.sched
+        unit = min(sched.next_unit(request, start, progress == Progress.GROUP), max_tokens)
+        n, plan = sched.plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
+        if n <= 0:
+            return 0, []
+        used = self.last_time_limit - step.seconds_left  # predicted seconds of the step so far
+        if n > 1 and self.last_time_limit != math.inf:  # one token is never refused: nobody starves
+            cost = sched.step_time.grant_cost(start, n, new_encoder_tokens(plan))
+            if used + cost > max(self._pace_s, self.last_time_limit):
+                return 0, []
+        return n, plan
 
     def _serve_running(
         self,
@@ -323,7 +401,7 @@ class SloPlanner:
             num_tokens, plan = sched.plan_encoder(request, start, min(num_tokens, step.budget), step)
             if num_tokens <= 0:
                 return False
-            if sched.step_time.grant_cost(start, num_tokens, _new_encoder_tokens(plan)) > max_seconds:
+            if sched.step_time.grant_cost(start, num_tokens, new_encoder_tokens(plan)) > max_seconds:
                 return False
         while sched.kv.allocate_slots(request, num_tokens) is None:
             victim = self._victim(request, admitting=False)
@@ -336,35 +414,8 @@ class SloPlanner:
         self._record_grant(step, request, num_tokens, plan)
         return True
 
-    def _fit(
-        self, step: _Step, request: Request, start: int, max_tokens: int, seconds: float
-    ) -> tuple[int, EncoderPlan]:
-        """The most tokens from `start` (at most `max_tokens`) whose predicted cost, encoder work
-        included, fits `seconds`; with the encoder plan for them."""
-        sched = self.sched
-        model = sched.step_time
-        n = min(max_tokens, model.tokens_within(seconds, start))
-        if n <= 0:
-            return 0, []
-        n, plan = sched.plan_encoder(request, start, n, step)
-        if n <= 0:
-            return 0, []
-        encoder_tokens = _new_encoder_tokens(plan)
-        if model.grant_cost(start, n, encoder_tokens) > seconds:
-            # Fewer tokens plan a subset of the groups, so the second plan costs no more than this bound.
-            n = min(n, model.tokens_within(seconds, start, encoder_tokens))
-            if n <= 0:
-                return 0, []
-            n, plan = sched.plan_encoder(request, start, n, step)
-        return n, plan
-
     def _record_grant(self, step: _Step, request: Request, num_tokens: int, plan: EncoderPlan) -> None:
-        cost = self.sched.step_time.grant_cost(
-            request.num_computed_tokens, num_tokens, _new_encoder_tokens(plan)
-        )
-        self.sched.grant(step, request, num_tokens, plan)
-        self._costs[request.request_id] = cost
-        self._seconds_left -= cost
+        self.sched.grant(step, request, num_tokens, plan)  # charges its predicted cost to the step
         self._last_served[request.request_id] = self._now
 
     def _room_for_batch(self, request: Request) -> bool:
@@ -374,20 +425,6 @@ class SloPlanner:
         need = -(-(request.num_tokens - request.num_computed_tokens) // sched.kv.block_size)
         chats = sum(1 for r in sched.running if r.service_class == INTERACTIVE)
         return sched.kv.num_free_blocks - need >= chats
-
-    def _next_unit(self, request: Request, start: int, progress: Progress) -> int:
-        """The smallest grant from `start` that `progress` allows: to the end of the encoder group
-        `start` stands in (GROUP only; 0 for TOKEN), else one token."""
-        for mm in request.mm_inputs:
-            first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
-            if first <= start < last:
-                group = (start - first) // mm.tokens_per_group
-                if self.sched.encoder_cache.is_cached((mm.mm_hash, group)):
-                    return 1  # already encoded: its tokens cost what text costs
-                if progress < Progress.GROUP:
-                    return 0
-                return mm.group_range(group)[1] - start
-        return 1
 
     # -- preemption ----------------------------------------------------------------------------------
     def _victim(self, requester: Request, admitting: bool) -> Request | None:
@@ -432,8 +469,7 @@ class SloPlanner:
 
     def _preempt(self, step: _Step, victim: Request) -> None:
         sched = self.sched
-        self._seconds_left += self._costs.pop(victim.request_id, 0.0)
-        sched.preempt(step, victim)
+        sched.preempt(step, victim)  # returns the victim's grant and its predicted cost to the step
         if victim.num_preemptions >= self.config.pin_after_preemptions:
             self._pinned_until[victim.request_id] = self._now + self.config.pin_ms / 1e3
 
@@ -442,8 +478,3 @@ class SloPlanner:
         for table in (self._skips, self._pinned_until, self._last_served):
             for request_id in [rid for rid in table if rid not in live]:
                 del table[request_id]
-
-
-def _new_encoder_tokens(plan: EncoderPlan) -> int:
-    """Embedding tokens the encoder must compute for a plan (cached groups cost nothing)."""
-    return sum(g.mm.tokens_per_group for g in plan if not g.cached)

@@ -1,11 +1,13 @@
-"""Step-time model: predicts one engine step's duration from what its plan computes, fitted by
-least squares (`mmserve bench profile`) and corrected online from measured steps. It knows plans and seconds,
-never the device or the model."""
+"""Step-time model: predicts one engine step's duration from what its plan computes. It starts from a
+prior (built-in, or fitted by `mmserve bench profile`) and refits itself online from the measured steps;
+it also measures its own recent error, which the planners turn into a safety margin. It knows plans and
+seconds, never the device or the model. Pure Python: the scheduler runs it every step."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +17,15 @@ from mmserve.scheduler.output import SchedulerOutput
 # Coefficient names, in the order of `StepFeatures.vector()`. Units: seconds per unit of the feature.
 FEATURES: tuple[str, ...] = ("intercept", "new_tokens", "context_tokens", "num_seqs", "encoder_tokens")
 
-# A guess for a mid-size model on one accelerator, used until a calibration file is given; the
-# online correction rescales it within a few steps. `mmserve bench profile` should write the real one.
+# The prior when no calibration file is given: deliberately slow (a small model on a few CPU cores), so
+# the first steps after a start are planned short rather than long; the online fit replaces it within a
+# few steps wherever the data speak, and scales it as a whole where they do not (see StepTimeModel).
 DEFAULT_COEFFICIENTS: dict[str, float] = {
-    "intercept": 5e-3,
-    "new_tokens": 2e-4,
-    "context_tokens": 1e-6,
-    "num_seqs": 5e-5,
-    "encoder_tokens": 4e-4,
+    "intercept": 1e-2,
+    "new_tokens": 1e-3,
+    "context_tokens": 2e-6,
+    "num_seqs": 2e-4,
+    "encoder_tokens": 1.5e-3,
 }
 
 
@@ -49,62 +52,110 @@ class StepFeatures:
         return (1.0, self.new_tokens, self.context_tokens, self.num_seqs, self.encoder_tokens)
 
 
-class StepTimeModel:
-    """t = correction * max(0, sum_i coef_i * feature_i).
+# Step shapes at which the prior speaks (see StepTimeModel): decode batches, prefill chunks, encoder work.
+_PRIOR_STEPS: tuple[StepFeatures, ...] = (
+    StepFeatures(1, 512, 1, 0),
+    StepFeatures(16, 16 * 1024, 16, 0),
+    StepFeatures(64, 64 * 2048, 64, 0),
+    StepFeatures(256, 256, 1, 0),
+    StepFeatures(2048, 2048, 1, 0),
+    StepFeatures(512, 4096, 8, 256),
+    StepFeatures(256, 256, 1, 1024),
+)
 
-    `correction` is an exponentially weighted average of measured / predicted (the linear part)
-    over recent steps, so a model calibrated on one machine or load adapts to this one.
+
+@dataclass(frozen=True)
+class StepTimeStats:
+    """The model's record against the steps it was told about (cumulative; for /metrics)."""
+
+    num_observed: int
+    predicted_s: float  # sum of the predictions made for the observed steps (before each refit)
+    observed_s: float  # sum of their measured durations
+    abs_error_s: float  # sum of |measured - predicted|
+    error_factor: float  # the planning margin now (see StepTimeModel.error_factor)
+
+
+class StepTimeModel:
+    """t = max(0, sum_i coef_i * feature_i), refitted after every observed step.
+
+    The fit is least squares on the *relative* error (a 2 ms decode step counts as much as a 2 s
+    prefill, and a slow outlier step, e.g. a page fault storm, has a bounded pull: its row x / t is
+    small), with exponential forgetting (`forgetting` per step, so the model follows a machine whose
+    speed drifts), a Huber weight on rows the current model over-predicts wildly, non-negative
+    coefficients, and a prior: pseudo-steps at typical shapes (`_PRIOR_STEPS`) priced by the prior
+    coefficients times the data's overall scale against the prior. So a feature the recent steps never
+    varied (no video yet, one batch size only) keeps the prior's proportion to the others instead of
+    drifting anywhere, while the ones the data pin down follow the data.
+
+    `error_factor` is a high quantile of measured / predicted over the last `window` steps: how much
+    longer than predicted a step may turn out. Planners divide their time targets by it, so the margin
+    widens when the model is wrong and shrinks back when it is right.
     """
 
     def __init__(
         self,
         coefficients: Mapping[str, float] | None = None,
-        ewma_alpha: float = 0.2,
-        correction: float = 1.0,
+        *,
+        prior_weight: float = 1.0,
+        forgetting: float = 0.98,
+        window: int = 32,
+        error_quantile: float = 0.9,
     ) -> None:
         coefficients = dict(DEFAULT_COEFFICIENTS if coefficients is None else coefficients)
         unknown = set(coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown step-time coefficient(s) {sorted(unknown)}; expected {FEATURES}")
-        if not all(math.isfinite(float(v)) for v in coefficients.values()):
-            raise ValueError("step-time coefficients must be finite numbers")
-        if not (0.0 < ewma_alpha <= 1.0) or not (correction > 0.0):
-            raise ValueError("ewma_alpha must be in (0, 1] and correction > 0")
-        self.coefficients: dict[str, float] = {name: float(coefficients.get(name, 0.0)) for name in FEATURES}
-        self.ewma_alpha = ewma_alpha
-        self.correction = correction
+        if not all(math.isfinite(float(v)) and float(v) >= 0.0 for v in coefficients.values()):
+            raise ValueError("step-time coefficients must be finite numbers >= 0")
+        if not (
+            prior_weight > 0.0 and 0.0 < forgetting <= 1.0 and window >= 1 and 0.0 < error_quantile <= 1.0
+        ):
+            raise ValueError("prior_weight > 0, forgetting in (0, 1], window >= 1, error_quantile in (0, 1]")
+        self.prior: dict[str, float] = {name: float(coefficients.get(name, 0.0)) for name in FEATURES}
+        self.coefficients: dict[str, float] = dict(self.prior)  # the current fit
+        self.prior_weight = prior_weight
+        self.forgetting = forgetting
+        self.error_quantile = error_quantile
         self.num_observed = 0
+        k = len(FEATURES)
+        self._gram = [[0.0] * k for _ in range(k)]  # [k, k] sum of w * a a^T over observed rows a = x / t
+        self._rhs = [0.0] * k  # [k] sum of w * a (each row's target is 1: relative error)
+        self._log_scale = 0.0  # mean log(measured / prior prediction): the data's scale against the prior
+        self._num_scaled = 0
+        self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
+        self._predicted_s = self._observed_s = self._abs_error_s = 0.0
+        # The prior's rows, [len(_PRIOR_STEPS)] of (a0 = x / t0(x)); scaled by the data's scale at each refit.
+        c0 = [self.prior[name] for name in FEATURES]
+        self._prior_rows = [
+            [x / t0 for x in f.vector()] for f in _PRIOR_STEPS if (t0 := _dot(c0, f.vector())) > 0.0
+        ]
 
     # -- prediction ------------------------------------------------------------------------------
-    def linear(self, features: StepFeatures) -> float:
-        """The calibrated linear part, before the online correction (never negative)."""
+    def predict(self, features: StepFeatures) -> float:
+        """Seconds."""
         c = self.coefficients
         return max(0.0, sum(c[name] * x for name, x in zip(FEATURES, features.vector(), strict=True)))
 
-    def predict(self, features: StepFeatures) -> float:
-        """Seconds."""
-        return self.correction * self.linear(features)
-
     def intercept(self) -> float:
         """Seconds a step costs before it computes anything."""
-        return self.correction * max(0.0, self.coefficients["intercept"])
+        return self.coefficients["intercept"]
 
     def grant_cost(self, num_computed: int, num_new: int, encoder_tokens: int = 0) -> float:
         """Seconds that one more request in a step adds: `num_new` tokens over `num_computed`
         cached ones (it attends to num_computed + num_new), plus its new encoder work."""
         c = self.coefficients
-        linear = (
+        return max(
+            0.0,
             c["new_tokens"] * num_new
             + c["context_tokens"] * (num_computed + num_new)
             + c["num_seqs"]
-            + c["encoder_tokens"] * encoder_tokens
+            + c["encoder_tokens"] * encoder_tokens,
         )
-        return self.correction * max(0.0, linear)
 
     def tokens_within(self, seconds: float, num_computed: int, encoder_tokens: int = 0) -> int:
         """The most tokens one request may add to a step without adding more than `seconds`."""
         c = self.coefficients
-        per_token = self.correction * (c["new_tokens"] + c["context_tokens"])
+        per_token = c["new_tokens"] + c["context_tokens"]
         fixed = self.grant_cost(num_computed, 0, encoder_tokens)
         if seconds < fixed:
             return 0
@@ -112,19 +163,82 @@ class StepTimeModel:
             return 1 << 30  # tokens cost nothing in this model: only the token budget limits them
         return int((seconds - fixed) / per_token)
 
-    # -- online correction -----------------------------------------------------------------------
+    def error_factor(self) -> float:
+        """How much longer than predicted a step may run: the `error_quantile` of measured / predicted
+        over the recent steps, within [1, 4] (1 before any step: the prior is already slow)."""
+        if not self._ratios:
+            return 1.0
+        ranked = sorted(self._ratios)
+        q = ranked[max(0, math.ceil(self.error_quantile * len(ranked)) - 1)]
+        return min(max(q, 1.0), 4.0)
+
+    def stats(self) -> StepTimeStats:
+        return StepTimeStats(
+            self.num_observed, self._predicted_s, self._observed_s, self._abs_error_s, self.error_factor()
+        )
+
+    # -- online fit ------------------------------------------------------------------------------
     def observe(self, features: StepFeatures, measured_s: float) -> None:
-        """Move the correction toward measured / predicted for one executed step."""
-        linear = self.linear(features)
-        if linear <= 0.0 or not (measured_s > 0.0) or not math.isfinite(measured_s):
+        """Account one executed step and refit. Nonsense times (<= 0, inf, nan) are ignored."""
+        if not (measured_s > 0.0) or not math.isfinite(measured_s):
             return
-        ratio = min(max(measured_s / linear, 1e-3), 1e3)  # one outlier step cannot wreck the model
-        self.correction = (1.0 - self.ewma_alpha) * self.correction + self.ewma_alpha * ratio
+        x = features.vector()
+        predicted = self.predict(features)
         self.num_observed += 1
+        self._predicted_s += predicted
+        self._observed_s += measured_s
+        self._abs_error_s += abs(measured_s - predicted)
+        if predicted > 0.0:
+            self._ratios.append(measured_s / predicted)
+        prior = _dot([self.prior[name] for name in FEATURES], x)
+        if prior > 0.0:
+            # A running mean at first, then an exponential one; after the first step one step moves it by
+            # at most a factor 4 (an outlier cannot rescale the prior wholesale).
+            log_ratio = math.log(measured_s / prior)
+            if self._num_scaled:
+                bound = math.log(4.0)
+                log_ratio = min(max(log_ratio, self._log_scale - bound), self._log_scale + bound)
+            self._num_scaled += 1
+            alpha = max(1.0 / self._num_scaled, 1.0 - self.forgetting)
+            self._log_scale = (1.0 - alpha) * self._log_scale + alpha * log_ratio
+        a = [v / measured_s for v in x]
+        over = predicted / measured_s - 1.0  # the current model's relative error on this step
+        weight = 1.0 if abs(over) <= _HUBER else _HUBER / abs(over)
+        lam, k = self.forgetting, len(FEATURES)
+        for i in range(k):
+            self._rhs[i] = lam * self._rhs[i] + weight * a[i]
+            row = self._gram[i]
+            for j in range(k):
+                row[j] = lam * row[j] + weight * a[i] * a[j]
+        self._refit()
+
+    def _refit(self) -> None:
+        k = len(FEATURES)
+        scale = math.exp(self._log_scale)  # the prior's rows price steps at scale x the prior
+        w = self.prior_weight / max(1, len(self._prior_rows))
+        gram = [row[:] for row in self._gram]
+        rhs = self._rhs[:]
+        for a0 in self._prior_rows:
+            for i in range(k):
+                rhs[i] += w * a0[i] / scale
+                for j in range(k):
+                    gram[i][j] += w * a0[i] * a0[j] / (scale * scale)
+        active = [j for j in range(k) if gram[j][j] > 0.0]
+        while active:
+            sol = _solve([[gram[i][j] for j in active] for i in active], [rhs[i] for i in active])
+            if sol is None:
+                return  # singular: keep the last fit
+            if min(sol) >= 0.0:
+                self.coefficients = dict.fromkeys(FEATURES, 0.0)
+                for j, v in zip(active, sol, strict=True):
+                    self.coefficients[FEATURES[j]] = v
+                return
+            active.pop(min(range(len(sol)), key=sol.__getitem__))  # a negative cost is nothing physical
+        self.coefficients = dict.fromkeys(FEATURES, 0.0)
 
     # -- calibration -----------------------------------------------------------------------------
     @classmethod
-    def fit(cls, samples: Iterable[tuple[StepFeatures, float]], ewma_alpha: float = 0.2) -> StepTimeModel:
+    def fit(cls, samples: Iterable[tuple[StepFeatures, float]]) -> StepTimeModel:
         """Least squares on the *relative* error over (features, seconds) samples, with non-negative
         coefficients. On absolute error a sweep's few long prefill steps dominate, and collinear
         features (a fresh prefill's context equals its new tokens) can take negative or inflated
@@ -151,26 +265,27 @@ class StepTimeModel:
                 coef[active] = sol
                 break
             active.pop(int(np.argmin(sol)))  # the most negative one explains nothing physical: drop it
-        return cls(dict(zip(FEATURES, coef.tolist(), strict=True)), ewma_alpha=ewma_alpha)
+        return cls(dict(zip(FEATURES, coef.tolist(), strict=True)))
 
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(
-            {"coefficients": self.coefficients, "ewma_alpha": self.ewma_alpha, "correction": self.correction},
-            indent=2,
-            sort_keys=True,
-        )
+        """The current fit, which a later start may take as its prior (a warm start)."""
+        return json.dumps({"coefficients": self.coefficients}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> StepTimeModel:
+        """A model whose prior is the file's coefficients. Files of the older format also hold an online
+        `correction` factor; it is folded into the coefficients (their `ewma_alpha` no longer applies)."""
         data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("coefficients"), dict):
             raise ValueError("step-time model JSON must be an object with a 'coefficients' object")
-        return cls(
-            data["coefficients"],
-            ewma_alpha=float(data.get("ewma_alpha", 0.2)),
-            correction=float(data.get("correction", 1.0)),
-        )
+        correction = data.get("correction", 1.0)
+        if not isinstance(correction, (int, float)) or not correction > 0:
+            raise ValueError("step-time model JSON: 'correction' must be a number > 0")
+        coefficients = data["coefficients"]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in coefficients.values()):
+            raise ValueError("step-time coefficients must be finite numbers >= 0")
+        return cls({name: correction * v for name, v in coefficients.items()})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -178,3 +293,33 @@ class StepTimeModel:
     @classmethod
     def load(cls, path: str | Path) -> StepTimeModel:
         return cls.from_json(Path(path).read_text())
+
+
+_HUBER = 1.0  # rows the model over-predicts by more than this (relative) pull with weight _HUBER / error
+
+
+def _dot(a: list[float], b: tuple[float, ...] | list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _solve(m: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with m x = b for a small symmetric positive semi-definite m ([n, n]), by Gaussian elimination
+    with partial pivoting after a Jacobi scaling (the features span ten orders of magnitude). None if
+    singular."""
+    n = len(b)
+    d = [1.0 / math.sqrt(m[i][i]) for i in range(n)]  # m[i][i] > 0 for every active feature
+    a = [[m[i][j] * d[i] * d[j] for j in range(n)] + [b[i] * d[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    a[r][c] -= f * a[col][c]
+    y = [0.0] * n
+    for i in reversed(range(n)):
+        y[i] = (a[i][n] - sum(a[i][j] * y[j] for j in range(i + 1, n))) / a[i][i]
+    return [y[i] * d[i] for i in range(n)]
