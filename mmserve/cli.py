@@ -291,13 +291,15 @@ def parallel_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 def _add_slo_flags(parser: argparse.ArgumentParser) -> None:
     """Flags of the `slo` scheduler policy (service_tier / slo on requests pick class and targets)."""
-    g = parser.add_argument_group("SLO scheduling (--scheduler-policy slo)")
+    g = parser.add_argument_group("Step planning (--max-step-ms: every policy) and SLO scheduling (--scheduler-policy slo)")
     g.add_argument("--interactive-ttft-ms", type=float, default=1000.0,
                    help="default time-to-first-token target of interactive requests (0: none)")  # fmt: skip
     g.add_argument("--interactive-tbt-ms", type=float, default=100.0,
                    help="default time-between-tokens target of interactive requests (0: none)")  # fmt: skip
-    g.add_argument("--admission-control", default="off", choices=["off", "downgrade", "reject"],
-                   help="a chat whose TTFT cannot be met: run it as batch, or refuse it with 429")  # fmt: skip
+    g.add_argument("--slo-admission", "--admission-control", dest="admission_control", default="off",
+                   choices=["off", "downgrade", "reject"],
+                   help="a chat predicted to miss its TTFT: run it as batch, or refuse it with 429 and "
+                        "Retry-After (the predicted drain time of the work ahead)")  # fmt: skip
     g.add_argument("--max-batch-decode-skips", type=int, default=4,
                    help="a batch decode waits at most this many steps in a row")  # fmt: skip
     add_slo_planner_flags(g)
@@ -310,6 +312,7 @@ def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "interactive_tbt_ms": args.interactive_tbt_ms or None,
         "admission_control": args.admission_control,
         "step_time_model": args.step_time_model,
+        "max_step_ms": args.max_step_ms or None,
         "max_batch_decode_skips": args.max_batch_decode_skips,
         "batch_min_share": args.batch_min_share,
         "step_time_headroom": args.step_time_headroom,

@@ -269,6 +269,8 @@ def test_infeasible_is_a_429_with_openai_shape() -> None:
     err = from_engine_error(SloInfeasibleError("cannot meet it"))
     assert err.status == 429 and err.type == "rate_limit_error" and err.code == "slo_infeasible"
     assert json.loads(err.response().body)["error"]["message"] == "cannot meet it"
+    assert err.headers == {"Retry-After": "1"}
+    assert from_engine_error(SloInfeasibleError("later", retry_after_s=7.2)).headers == {"Retry-After": "8"}
 
 
 def test_serve_flags_reach_engine_args() -> None:
@@ -279,11 +281,14 @@ def test_serve_flags_reach_engine_args() -> None:
     parser = argparse.ArgumentParser()
     _add_slo_flags(parser)
     args = parser.parse_args(["--interactive-ttft-ms", "500", "--interactive-tbt-ms", "0",
-                              "--admission-control", "reject", "--step-time-headroom", "0.3"])  # fmt: skip
+                              "--slo-admission", "reject", "--step-time-headroom", "0.3",
+                              "--max-step-ms", "0"])  # fmt: skip
     engine_args = EngineArgs("unused", scheduler_policy="slo", **_slo_engine_kwargs(args))
     config = engine_args.scheduler_config(1024)
     assert config.interactive_slo == SLO(500.0, None)  # 0: no target
     assert config.admission_control == "reject" and config.step_time_headroom == 0.3
+    assert config.max_step_ms is None  # 0: fixed token budgets only
+    assert EngineArgs("unused").scheduler_config(1024).max_step_ms == 250.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--admission-control", "maybe"])
 
@@ -301,3 +306,38 @@ def test_step_time_model_path_is_checked_at_start(tmp_path: Path) -> None:
     StepTimeModel({"intercept": 0.01, "new_tokens": 0.001}).save(good)
     config = EngineArgs("unused", scheduler_policy="slo", step_time_model=str(good)).scheduler_config(64)
     assert config.step_time_model == str(good)
+
+
+def test_admission_reject_is_a_429_with_retry_after_through_the_api(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`--slo-admission reject` on a real server: a chat whose TTFT target cannot be met (1 µs) is refused
+    with 429, Retry-After and code slo_infeasible before anything is queued; the others are served, and
+    /metrics counts the refusal and shows the online step-time model's record."""
+    engine = AsyncEngine(
+        EngineArgs(
+            str(tiny_model_dir("qwen2_vl")), max_num_batched_tokens=128, max_model_len=1024, num_kv_blocks=64,
+            scheduler_policy="slo", interactive_ttft_ms=TTFT_MS, interactive_tbt_ms=TBT_MS,
+            admission_control="reject",
+        )
+    )  # fmt: skip
+    settings = ServerSettings(data_dir=tmp_path, served_model_name="tiny")
+    live = ServerThread(lambda: create_app(engine, settings))
+    try:
+        with httpx.Client(base_url=live.url, timeout=120) as client:
+            assert client.post("/v1/chat/completions", json=body()).status_code == 200
+            r = client.post("/v1/chat/completions", json=body(slo={"ttft_ms": 0.001}))
+            assert r.status_code == 429, r.text
+            assert int(r.headers["Retry-After"]) >= 1
+            error = r.json()["error"]
+            assert error["code"] == "slo_infeasible" and error["param"] == "slo"
+            assert client.post("/v1/chat/completions", json=body()).status_code == 200  # still serving
+            assert metric(client, "rejected_requests_total") == 1
+            assert metric(client, "step_time_observations_total") >= 2
+            assert metric(client, "step_time_observed_seconds_total") > 0
+            assert metric(client, "step_time_predicted_seconds_total") > 0
+            assert metric(client, "step_time_error_factor") >= 1.0
+            assert metric(client, "num_requests_waiting") == 0 and metric(client, "num_requests_running") == 0
+    finally:
+        live.stop()
+        asyncio.run(engine.shutdown(1.0))

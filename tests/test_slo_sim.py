@@ -14,6 +14,7 @@ from slo_sim import (
     RunningSnapshot,
     Trace,
     VirtualClock,
+    fake_run,
     goodput,
     make_scheduler,
     request,
@@ -24,6 +25,7 @@ from slo_sim import (
 from mmserve.request import Request, ServiceClass
 from mmserve.scheduler.output import SchedulerOutput
 from mmserve.scheduler.scheduler import Scheduler
+from mmserve.scheduler.slo import SloInfeasibleError
 from mmserve.scheduler.step_time import StepFeatures, StepTimeModel
 
 INTERACTIVE, BATCH = ServiceClass.INTERACTIVE, ServiceClass.BATCH
@@ -297,3 +299,97 @@ def test_online_correction_recovers_from_a_miscalibrated_model() -> None:
     sched = make_scheduler("slo", clock, model=StepTimeModel(optimistic))
     traces = simulate(sched, clock, workload(), feedback=False)
     assert max(t.max_itl for t in chats_of(traces)) > 0.2
+
+
+# -- budgets from time, the online fit, overload ------------------------------------------------------
+def test_fcfs_sizes_steps_that_carry_decodes_to_max_step_ms() -> None:
+    """fcfs with the default max_step_ms (250 ms, planned to 90%): while the video prefills beside the
+    streaming chats, no chat waits longer than the planned step; on fixed token budgets they stall."""
+    sched, traces, encoder_tokens = long_video_while_chats_stream("fcfs")
+    fixed = long_video_while_chats_stream("fcfs", max_step_ms=None)[1]
+    assert max(t.max_itl for t in chats_of(traces)) <= 0.225 + 1e-9
+    assert max(t.max_itl for t in chats_of(fixed)) > 0.3
+    assert sum(encoder_tokens) == 2048
+    assert traces["video"].token_times[-1] <= 1.1 * fixed["video"].token_times[-1]
+    assert_all_freed(sched)
+
+
+def test_a_step_without_decodes_takes_the_whole_token_budget() -> None:
+    clock = VirtualClock()
+    sched = make_scheduler("fcfs", clock, budget=512)
+    sched.add_request(request("long", 0.0, 3000, 4))
+    assert sched.schedule().num_scheduled_tokens == 512  # nobody decodes: no latency to protect
+
+
+def test_fcfs_under_max_step_ms_still_moves_a_prefill_when_decodes_fill_the_step() -> None:
+    """Forty decodes alone cost more than a 5 ms target: the prefill still gets a share of the step."""
+    clock = VirtualClock()
+    sched = make_scheduler("fcfs", clock, budget=512, max_seqs=64, max_step_ms=5.0)
+    for i in range(40):
+        sched.add_request(request(f"c{i}", 0.0, 8, 20, first_token_id=100 * i))
+    plan = sched.schedule()
+    sched.update(plan, fake_run(plan))
+    sched.add_request(request("long", clock.now, 2000, 4, first_token_id=10**6))
+    plan = sched.schedule()
+    grants = {s.request_id: s.num_scheduled_tokens for s in plan.scheduled}
+    assert all(grants[f"c{i}"] == 1 for i in range(40))
+    assert TRUE_COST.predict(StepFeatures.of_plan(plan)) > 0.005
+    assert 0 < grants["long"] < 512
+
+
+@pytest.mark.parametrize("wrong_by", [0.5, 2.0])
+def test_a_model_wrong_by_2x_at_start_converges_and_the_chats_recover(wrong_by: float) -> None:
+    """fcfs and slo start from a step-time model 2x off (either way); fitted online on the measured
+    steps, the coefficients converge to the device's and the gaps fit the targets again."""
+    for policy, bound in (("fcfs", 0.225), ("slo", 0.09)):
+        clock = VirtualClock()
+        model = StepTimeModel({k: wrong_by * v for k, v in TRUE_COST.coefficients.items()})
+        sched = make_scheduler(policy, clock, model=model)
+        chats = [request(f"chat{i}", 0.1 * i, 32, 80, first_token_id=1000 * i) for i in range(6)]
+        video = request("video", 1.0, 64 + 2048, 8, "batch", media=[(32, 2048, 16)], first_token_id=10**6)
+        traces = simulate(sched, clock, [*chats, video])
+        for name in ("intercept", "new_tokens", "encoder_tokens"):
+            assert sched.step_time.coefficients[name] == pytest.approx(TRUE_COST.coefficients[name], rel=0.05)
+        late_gaps = [b - a for t in chats_of(traces) for a, b in itertools.pairwise(t.token_times[20:])]
+        assert late_gaps and max(late_gaps) <= bound + 1e-9, policy
+        assert_all_freed(sched)
+
+
+@pytest.mark.parametrize(("rate", "at_least"), [(14.0, 105), (20.0, 90), (30.0, 70)])
+@pytest.mark.parametrize("wrong_by", [1.0, 2.0])
+def test_overload_slo_degrades_gracefully_and_never_below_fcfs(rate: float, at_least: int, wrong_by: float) -> None:
+    """120 chats arriving faster than the device can serve them (capacity ~10/s here), with a model
+    right or 2x pessimistic at start: slo keeps most chats within TTFT and TPOT by serving the ones that
+    can still make it (least slack first would serve the most urgent, miss them, and cascade), while
+    fcfs's attainment collapses."""
+    good = {}
+    for policy in ("fcfs", "slo"):
+        clock = VirtualClock()
+        model = StepTimeModel({k: wrong_by * v for k, v in TRUE_COST.coefficients.items()})
+        sched = make_scheduler(policy, clock, model=model)
+        traces = simulate(sched, clock, slo_mix(1, num_chats=120, chat_rate=rate, num_batch=0))
+        good[policy] = goodput(sched, traces, INTERACTIVE)
+        assert all(t.finish_reason == "length" for t in traces.values())  # late ones still finish
+        assert_all_freed(sched)
+    assert good["slo"] >= at_least and good["slo"] > good["fcfs"]
+
+
+def test_with_admission_reject_the_refused_carry_a_retry_after_and_the_admitted_meet_their_targets() -> None:
+    clock = VirtualClock()
+    sched = make_scheduler("slo", clock, admission_control="reject")
+    refused: dict[str, float] = {}
+    add = sched.add_request
+
+    def add_or_refuse(r: Request) -> None:  # what the API does: a 429 for the one refused
+        try:
+            add(r)
+        except SloInfeasibleError as exc:
+            refused[r.request_id] = exc.retry_after_s
+
+    sched.add_request = add_or_refuse  # type: ignore[method-assign]
+    traces = simulate(sched, clock, slo_mix(1, num_chats=120, chat_rate=30.0, num_batch=0))
+    admitted = [t for rid, t in traces.items() if rid not in refused]
+    assert 10 < len(refused) < 100 and all(s >= 1.0 for s in refused.values())
+    assert sched.stats().num_rejected_requests == len(refused)
+    assert goodput(sched, {t.request.request_id: t for t in admitted}) >= 0.9 * len(admitted)
+    assert_all_freed(sched)
