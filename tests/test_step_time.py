@@ -3,7 +3,6 @@ engine feedback path through Scheduler.record_step_time. Pure Python, no device.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import random
