@@ -180,3 +180,18 @@ def test_long_video_qwen3_vl_counts_every_temporal_group(
     for r in (chunked, whole):
         assert math.isfinite(r["max_step_since_video_over_median"]) and r["max_step_since_video_over_median"] > 0
     assert report["outputs_differing_from_first_system"]["mmserve-no-chunk"] == 0
+
+
+def test_bench_long_video_compares_step_time_targets(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """`bench long-video --max-step-ms 250,0`: one chunked run per target (0: fixed token budgets), each
+    with the video's TTFT and the longest step (the decodes' longest gap) against the target."""
+    out = tmp_path / "lv.json"
+    argv = ["bench", "long-video", "--quick", "--model", str(tiny_model_dir("qwen2_vl"))]
+    assert main([*argv, "--max-step-ms", "250,0", "--no-whole", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["chunk_encoder"], r["max_step_ms"]) for r in runs] == [(True, 250.0), (True, None)]
+    for r in runs:
+        assert r["video_ttft_s"] > 0 and r["temporal_groups"] == 8
+        assert sum(t["encoder_tokens"] for t in r["timeline"]) == r["video_tokens"]
+        assert min(t["decode_tokens"] for t in r["timeline"]) == 4  # every decode in every step
+    assert runs[0]["max_over_target"] == runs[0]["max_step_s"] / 0.25 and runs[1]["max_over_target"] is None

@@ -104,6 +104,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     video.add_argument("--frame-size", type=int, default=224)
     video.add_argument("--max-num-batched-tokens", type=int, default=512)
     video.add_argument("--max-num-encoder-tokens", type=int, default=128)
+    video.add_argument("--max-step-ms", type=_float_list, default=(250.0,),
+                       help="comma-separated step-time targets, one chunked run each (0: fixed token budgets)")  # fmt: skip
+    video.add_argument("--no-whole", action="store_true", help="skip the run that encodes the video whole")
+    video.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     video.add_argument("--json", type=Path, default=None)
     video.add_argument(
         "--quick", action="store_true", help="4 decodes, a 16-frame 112x112 video, budgets 64/32: a smoke run"
@@ -176,7 +180,8 @@ def _bench_long_video(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens, args.max_num_encoder_tokens = 64, 32
     report = bench_long_video(
         _bench_model(args.model), args.num_decodes, args.num_frames, args.frame_size,
-        args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json,
+        args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json, args.max_step_ms,
+        not args.no_whole, args.dtype,
     )  # fmt: skip
     print(format_report(report))
     _write_plots(report, args.plot, "plot_long_video")
@@ -478,6 +483,10 @@ def _bench_router(args: argparse.Namespace) -> int:
         for path in plot_router(report, args.plot):
             print(f"wrote {path}")
     return 0
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
 
 
 def _int_list(text: str) -> tuple[int, ...]:

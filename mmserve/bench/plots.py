@@ -102,10 +102,9 @@ def plot_serve(report: dict, out_dir: Path) -> list[Path]:
 def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
     """Step composition while the long video prefills, encoder chunking on and off: decode / prefill /
     encoder tokens per step (bars) and each step's time (line, right axis)."""
-    runs = [
-        (f"encoder chunking {'on' if run['chunk_encoder'] else 'off'}", run["timeline"])
-        for run in report["runs"]
-    ]
+    from mmserve.bench.long_video import run_label
+
+    runs = [(run_label(run), run["timeline"]) for run in report["runs"]]
     return [_plot_step_timelines(runs, out_dir / "long-video-steps.png")]
 
 
