@@ -11,7 +11,19 @@ from pathlib import Path
 import pytest
 
 from mmserve.bench.metrics import RequestTiming, meets_slos
-from mmserve.bench.slo_mix import BATCH, INTERACTIVE, QUICK_MIX, MixConfig, build_mix, phase_metrics
+from mmserve.bench.slo_mix import (
+    BATCH,
+    INTERACTIVE,
+    QUICK_MIX,
+    Calibration,
+    MixConfig,
+    SweepConfig,
+    build_mix,
+    capacity_at,
+    format_sweep,
+    phase_metrics,
+    sweep_summary,
+)
 from mmserve.cli import main
 from mmserve.scheduler.step_time import FEATURES, StepFeatures, StepTimeModel
 
@@ -120,3 +132,66 @@ def test_fit_relative_recovers_coefficients_and_stays_non_negative() -> None:
     # A feature that only makes steps *faster* in the data gets 0, not a negative coefficient.
     skewed = [(f, true_model.predict(f) * (0.5 if f.context_tokens > f.new_tokens else 1.0)) for f in shapes]
     assert all(v >= 0.0 for v in StepTimeModel.fit(skewed).coefficients.values())
+
+
+def test_slo_mix_sweep_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """--sweep calibrates targets and the first rate on the machine, runs the ladder and states capacities."""
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "serve", "--workload", "slo-mix", "--quick", "--no-progress", "--sweep"]
+    argv += ["--sweep-max-loads", "2", "--policies", "fcfs,slo", "--slo-admission", "reject"]
+    argv += ["--plot", str(tmp_path / "plots")]
+    assert main([*argv, "--model", str(tiny_model_dir("qwen2_vl")), "--json", str(out)]) == 0
+    assert (tmp_path / "plots" / "slo_mix.png").stat().st_size > 0
+    report = json.loads(out.read_text())
+    sweep = report["sweep"]
+    cal = sweep["calibration"]
+    assert cal["ttft_s"] > 0 and cal["tpot_s"] > 0 and cal["burst_rps"] > 0
+    # The targets the servers ran with are the calibrated ones, not quick mode's fixed 60 s.
+    ttft_ms, tbt_ms = Calibration(**cal).targets()
+    assert (report["config"]["ttft_ms"], report["config"]["tbt_ms"]) == (ttft_ms, tbt_ms)
+    assert report["config"]["admission_control"] == "reject"
+    loads = sweep["loads"]
+    assert 1 <= len(loads) <= 2 and loads[0] == Calibration(**cal).start_load()
+    if len(loads) == 2:
+        assert loads[1] == pytest.approx(1.5 * loads[0], rel=0.01)
+    assert set(sweep["policies"]) == {"fcfs", "slo"}
+    for policy, entry in sweep["policies"].items():
+        assert entry["capacity_bound"] in ("below", "interpolated", "at least")
+        assert set(entry["goodput_vs_fcfs"]) == set(report["results"][policy])
+        for load in report["results"][policy]:
+            m = report["results"][policy][load]
+            assert m[BATCH]["completed"] == m[BATCH]["requests"]  # rejections only ever hit chats
+    assert all(r in (1.0, None) for r in sweep["policies"]["fcfs"]["goodput_vs_fcfs"].values())  # None: 0 / 0
+
+
+def test_capacity_is_interpolated_in_log_rate() -> None:
+    # Attainment 1.0 at 2/s, 0.8 at 8/s: the 0.9 crossing is halfway in log rate, at 4/s.
+    assert capacity_at([1.0, 2.0, 8.0], [1.0, 1.0, 0.8], 0.9) == (pytest.approx(4.0), "interpolated")
+    assert capacity_at([1.0, 2.0], [0.5, 0.95], 0.9) == (1.0, "below")  # the first rate missed already
+    assert capacity_at([1.0, 2.0], [0.95, None], 0.9) == (2.0, "at least")  # no chats arrived: none missed
+    # A later recovery does not move the first crossing.
+    assert capacity_at([1.0, 2.0, 4.0], [0.9, 0.6, 0.95], 0.9)[0] == pytest.approx(1.0)
+
+
+def test_sweep_summary_against_fcfs() -> None:
+    def phase(attainment: float, goodput: float, batch: float) -> dict:
+        return {INTERACTIVE: {"slo_attainment": attainment, "goodput_rps": goodput},
+                BATCH: {"throughput_tok_s": batch}}  # fmt: skip
+
+    results = {
+        "fcfs": {"1": phase(0.95, 1.0, 100.0), "2": phase(0.85, 1.6, 100.0), "4": phase(0.3, 1.2, 100.0)},
+        "slo": {"1": phase(1.0, 1.0, 90.0), "2": phase(0.95, 1.9, 85.0), "4": phase(0.7, 2.8, 80.0)},
+    }
+    summary = sweep_summary(results, SweepConfig(start_load=1.0), None)
+    fcfs, slo = summary["policies"]["fcfs"], summary["policies"]["slo"]
+    assert summary["loads"] == [1.0, 2.0, 4.0]
+    assert fcfs["capacity_bound"] == slo["capacity_bound"] == "interpolated"
+    assert fcfs["capacity_rps"] == pytest.approx(2 ** 0.5)  # 0.95 -> 0.85: halfway from 1 to 2 in log rate
+    assert slo["capacity_rps"] == pytest.approx(2 * 2 ** 0.2)  # 0.95 -> 0.7 crosses 0.9 a fifth of the way
+    assert slo["capacity_vs_fcfs"] == pytest.approx(2 * 2**0.2 / 2**0.5)
+    assert slo["goodput_vs_fcfs"] == {"1": 1.0, "2": pytest.approx(1.9 / 1.6), "4": pytest.approx(2.8 / 1.2)}
+    assert slo["capacity_load"] == 2.0 and slo["batch_throughput_vs_fcfs_at_capacity"] == pytest.approx(0.85)
+    table = format_sweep(summary)
+    assert "| slo | 2.3 | 1.62 | 1.00 | 0.85 |" in table
+    with pytest.raises(ValueError, match="factor"):
+        SweepConfig(factor=1.0)

@@ -159,6 +159,14 @@ def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(0, 105)
+    sweep = report.get("sweep")
+    if sweep is not None:  # geometric rates; the bar and each policy's capacity on the attainment panel
+        for ax in axes:
+            ax.set_xscale("log")
+        axes[0].axhline(100 * sweep["attainment_bar"], color="grey", lw=0.8, ls=":")
+        for line, entry in zip(axes[0].get_lines(), sweep["policies"].values(), strict=False):
+            if entry["capacity_bound"] == "interpolated":
+                axes[0].axvline(entry["capacity_rps"], color=line.get_color(), lw=0.8, ls="--")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "slo_mix.png"

@@ -3,7 +3,12 @@ Poisson process over a backlog of batch jobs (long prompts, multi-image, long vi
 loads, under the `fcfs`, `priority` and `slo` policies in the same run (one in-process server per policy
 on the same model, the same requests at the same offsets). Reports per class TTFT / TPOT percentiles,
 interactive SLO attainment, goodput and batch throughput. Speaks the HTTP API only (service_tier
-"flex" and priority 1 mark batch work), never the engine's internals."""
+"flex" and priority 1 mark batch work), never the engine's internals.
+
+With a `SweepConfig` (`--sweep`) the chat rate rises geometrically until every policy's attainment is below
+the bar, and each policy's capacity (the rate at 90% attainment, as Sarathi-Serve and DistServe state it)
+is reported. Targets and the first rate not given are derived from a short measurement of the machine at
+start (`calibrate`), so the same command stresses a slow and a fast CPU alike."""
 
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ import io
 import json
 import math
 import random
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +57,22 @@ class MixConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     step_time_model: str | None = None  # `mmserve bench profile` JSON for the slo policy
+    max_step_ms: float | None = 250.0  # every policy's step-time target while decodes run (None: fixed budgets)
+    admission_control: str = "off"  # the slo policy's: "reject" answers 429 to a chat it predicts late
     step_time_headroom: float = 0.1  # the slo policy plans steps to (1 - this) x the TBT target
     tbt_slack_ms: float = 0.0  # the slo policy's lend of a stream's lead on its TBT pace
     batch_min_share: float = 0.1  # the slo policy's share of each step kept for batch work
     seed: int = 0
+
+    def engine_kwargs(self, policy: str) -> dict[str, Any]:
+        """The in-process server's `EngineArgs` fields for `policy` (the others ignore the slo-only ones)."""
+        return dict(
+            scheduler_policy=policy, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, interactive_ttft_ms=self.ttft_ms, interactive_tbt_ms=self.tbt_ms,
+            step_time_model=self.step_time_model if policy == "slo" else None, max_step_ms=self.max_step_ms,
+            step_time_headroom=self.step_time_headroom, tbt_slack_ms=self.tbt_slack_ms,
+            batch_min_share=self.batch_min_share, admission_control=self.admission_control,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if not self.loads or any(not (x > 0 and math.isfinite(x)) for x in self.loads):
@@ -137,16 +156,31 @@ def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> 
         t += float(np_rng.exponential(1.0 / load))
         if t >= cfg.duration_s:
             break
-        text = _random_text(rng, rng.randint(*cfg.chat_input_len), tokenizer)
-        if rng.random() < cfg.chat_image_share:
-            content = [{"type": "image_url", "image_url": {"url": _png_data_url(np_rng, cfg.image_size)}},
-                       {"type": "text", "text": text}]  # fmt: skip
-            kind = "image"
-        else:
-            content, kind = text, "text"
-        messages = [{"role": "user", "content": content}]
-        out.append(MixRequest(INTERACTIVE, kind, messages, rng.randint(*cfg.chat_output_len), t))
+        out.append(_chat(cfg, rng, np_rng, tokenizer, t))
     return out
+
+
+def build_chats(cfg: MixConfig, n: int, seed: int, tokenizer: Any | None) -> list[MixRequest]:
+    """`n` chats of the mix's shapes, all at offset 0."""
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    return [_chat(cfg, rng, np_rng, tokenizer, 0.0) for _ in range(n)]
+
+
+def _chat(
+    cfg: MixConfig, rng: random.Random, np_rng: np.random.Generator, tokenizer: Any | None, at_s: float
+) -> MixRequest:
+    text = _random_text(rng, rng.randint(*cfg.chat_input_len), tokenizer)
+    if rng.random() < cfg.chat_image_share:
+        content: str | list[dict] = [
+            {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, cfg.image_size)}},
+            {"type": "text", "text": text},
+        ]
+        kind = "image"
+    else:
+        content, kind = text, "text"
+    messages = [{"role": "user", "content": content}]
+    return MixRequest(INTERACTIVE, kind, messages, rng.randint(*cfg.chat_output_len), at_s)
 
 
 async def run_phase(
@@ -196,51 +230,223 @@ def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: flo
     return out
 
 
-def bench_slo_mix(model: Path, cfg: MixConfig, json_path: Path | None = None, progress: bool = True) -> dict:
-    """Every policy on every load; one in-process server per policy, the same requests for all."""
+@dataclass(frozen=True)
+class SweepConfig:
+    """`--sweep`: chat rates start_load x factor^k, k = 0, 1, ... until every policy's attainment is below
+    `attainment` (or `max_loads` rates ran). None fields are calibrated at start (see `calibrate`)."""
+
+    start_load: float | None = None  # None: a quarter of the measured burst chat rate
+    factor: float = 1.5
+    max_loads: int = 8
+    attainment: float = 0.9
+    ttft_ms: float | None = None  # None: from the chat TTFT measured alone (`Calibration.targets`)
+    tbt_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.start_load is not None and not (self.start_load > 0 and math.isfinite(self.start_load)):
+            raise ValueError("slo-mix --sweep: the start load must be a positive chat rate (req/s)")
+        if not (self.factor > 1 and math.isfinite(self.factor)) or self.max_loads < 1:
+            raise ValueError("slo-mix --sweep: the factor must be > 1 and at least one load must run")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("slo-mix --sweep: the attainment bar must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the machine does with this mix's chats and no batch work, measured on an fcfs server."""
+
+    ttft_s: float  # median TTFT of a chat served alone
+    tpot_s: float  # median TPOT of a chat served alone
+    burst_rps: float  # chats finished per second when BURST_CHATS arrive at once
+
+    def targets(self) -> tuple[float, float]:
+        """(TTFT, TBT) targets in ms that a loaded server can meet but a backlog of prefills cannot hide in:
+        TBT 6x an unloaded step (room for a batch of decodes and a slice of prefill), TTFT 10x a chat's
+        prefill alone but never under 5 TBT targets (a queued chat waits some steps). Rounded up to 10 ms."""
+        tbt = 10.0 * math.ceil(600.0 * self.tpot_s)
+        ttft = max(10.0 * math.ceil(1000.0 * self.ttft_s), 5.0 * tbt)
+        return ttft, tbt
+
+    def start_load(self) -> float:
+        """A quarter of the burst rate, to two significant digits: well under capacity on any machine."""
+        rate = self.burst_rps / 4.0
+        return float(f"{rate:.2g}")
+
+
+CALIBRATION_ALONE = 6  # chats sent one at a time
+BURST_CHATS = 16  # chats sent at once
+
+
+def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool = True) -> Calibration:
+    """Chats of `cfg`'s shapes on a fresh fcfs server: CALIBRATION_ALONE one at a time (TTFT and TPOT of an
+    unloaded server), then BURST_CHATS at once (the rate the machine finishes chats at when saturated)."""
+    from mmserve.bench.serve import InProcessServer
+
+    chats = build_chats(cfg, CALIBRATION_ALONE + BURST_CHATS, cfg.seed + 10_000, tokenizer)
+    server = InProcessServer(model, **cfg.engine_kwargs("fcfs"))
+    try:
+        url = server.url.rstrip("/")
+        asyncio.run(run_phase(url, [_warm_up()]))
+        alone = [asyncio.run(run_phase(url, [c]))[0][0][1] for c in chats[:CALIBRATION_ALONE]]
+        pairs, duration = asyncio.run(run_phase(url, chats[CALIBRATION_ALONE:]))
+    finally:
+        server.close()
+    failed = [t.error for t in alone + [t for _, t in pairs] if not t.success]
+    if failed:
+        raise RuntimeError(f"slo-mix calibration: chats failed: {failed[:3]}")
+    result = Calibration(
+        ttft_s=statistics.median(t.ttft_s for t in alone if t.ttft_s is not None),
+        tpot_s=statistics.median(t.tpot_s for t in alone if t.tpot_s is not None),
+        burst_rps=len(pairs) / duration,
+    )
+    if progress:
+        print(
+            f"slo-mix: calibrated: a chat alone TTFT {1000 * result.ttft_s:.0f} ms, TPOT {1000 * result.tpot_s:.1f} ms;"
+            f" {result.burst_rps:.2f} chats/s in a burst of {len(pairs)}",
+            flush=True,
+        )
+    return result
+
+
+def _warm_up() -> MixRequest:
+    return MixRequest(INTERACTIVE, "text", [{"role": "user", "content": "Warm up."}], 2, 0.0)
+
+
+def _load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float) -> Iterator[float]:
+    if sweep is None:
+        yield from cfg.loads
+        return
+    for k in range(sweep.max_loads):
+        yield float(f"{start * sweep.factor**k:.3g}")
+
+
+def bench_slo_mix(
+    model: Path,
+    cfg: MixConfig,
+    json_path: Path | None = None,
+    progress: bool = True,
+    sweep: SweepConfig | None = None,
+) -> dict:
+    """Every policy on every load (one in-process server per policy, all up for the whole run; the same
+    requests for all, load by load). With `sweep`, the loads are its ladder, stopped at the first load where
+    every policy misses the attainment bar."""
     from mmserve.bench.serve import InProcessServer
 
     tokenizer = _load_tokenizer(model)
-    phases = {load: build_mix(cfg, load, cfg.seed + i, tokenizer) for i, load in enumerate(cfg.loads)}
-    results: dict[str, dict[str, dict]] = {}
-    for policy in cfg.policies:
-        server = InProcessServer(
-            model, scheduler_policy=policy, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs, interactive_ttft_ms=cfg.ttft_ms, interactive_tbt_ms=cfg.tbt_ms,
-            step_time_model=cfg.step_time_model if policy == "slo" else None,
-            step_time_headroom=cfg.step_time_headroom, tbt_slack_ms=cfg.tbt_slack_ms,
-            batch_min_share=cfg.batch_min_share,
-        )  # fmt: skip
-        try:
-            url = server.url.rstrip("/")
-            asyncio.run(run_phase(url, [MixRequest(INTERACTIVE, "text", [{"role": "user", "content": "Warm up."}],
-                                                   2, 0.0)]))  # fmt: skip
-            results[policy] = {}
-            for load, requests in phases.items():
-                pairs, duration = asyncio.run(run_phase(url, requests))
-                results[policy][f"{load:g}"] = phase_metrics(pairs, duration, cfg)
-                errors = sorted({t.error for _, t in pairs if t.error})
-                results[policy][f"{load:g}"]["errors"] = errors[:5]
+    calibration: Calibration | None = None
+    start = cfg.loads[0]
+    if sweep is not None:
+        if sweep.start_load is None or sweep.ttft_ms is None or sweep.tbt_ms is None:
+            calibration = calibrate(model, cfg, tokenizer, progress)
+            ttft_ms, tbt_ms = calibration.targets()
+            cfg = replace(cfg, ttft_ms=sweep.ttft_ms or ttft_ms, tbt_ms=sweep.tbt_ms or tbt_ms)
+        else:
+            cfg = replace(cfg, ttft_ms=sweep.ttft_ms, tbt_ms=sweep.tbt_ms)
+        start = sweep.start_load or calibration.start_load()  # type: ignore[union-attr]
+        if progress:
+            print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT {cfg.tbt_ms:g} ms",
+                  flush=True)  # fmt: skip
+    servers: dict[str, InProcessServer] = {}
+    phases: dict[str, dict[str, int]] = {}
+    results: dict[str, dict[str, dict]] = {policy: {} for policy in cfg.policies}
+    try:
+        for policy in cfg.policies:
+            servers[policy] = InProcessServer(model, **cfg.engine_kwargs(policy))
+            asyncio.run(run_phase(servers[policy].url.rstrip("/"), [_warm_up()]))
+        for i, load in enumerate(_load_ladder(cfg, sweep, start)):
+            requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
+            phases[f"{load:g}"] = _describe(requests)
+            for policy, server in servers.items():
+                pairs, duration = asyncio.run(run_phase(server.url.rstrip("/"), requests))
+                m = results[policy][f"{load:g}"] = phase_metrics(pairs, duration, cfg)
+                m["errors"] = sorted({t.error for _, t in pairs if t.error})[:5]
                 if progress:
-                    print(
-                        f"slo-mix: {policy} @ {load:g} chats/s: {_line(results[policy][f'{load:g}'])}",
-                        flush=True,
-                    )
-        finally:
+                    print(f"slo-mix: {policy} @ {load:g} chats/s: {_line(m)}", flush=True)
+            if sweep is not None and all(
+                (by_load[f"{load:g}"][INTERACTIVE]["slo_attainment"] or 0.0) < sweep.attainment
+                for by_load in results.values()
+            ):
+                break
+    finally:
+        for server in servers.values():
             server.close()
-    report = {
+    report: dict[str, Any] = {
         "config": {
             **{k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
             "model": str(model),
             "workload": "slo-mix",
         },
-        "phases": {f"{load:g}": _describe(reqs) for load, reqs in phases.items()},
+        "phases": phases,
         "results": results,
     }
+    if sweep is not None:
+        report["sweep"] = sweep_summary(results, sweep, calibration)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
     return report
+
+
+def capacity_at(loads: list[float], attainments: list[float | None], bar: float) -> tuple[float, str]:
+    """The chat rate where attainment first falls below `bar`, interpolated in log(rate) between the last
+    rate that met it and the first that did not. Returns (rate, bound): bound "interpolated"; "below" (the
+    first rate already missed: capacity < rate) or "at least" (no rate missed: capacity >= the last)."""
+    prev: tuple[float, float] | None = None
+    for load, attainment in zip(loads, attainments, strict=True):
+        a = 1.0 if attainment is None else attainment  # no chats arrived: none missed
+        if a < bar:
+            if prev is None:
+                return load, "below"
+            lo, a_lo = prev
+            frac = (a_lo - bar) / (a_lo - a)
+            return math.exp(math.log(lo) + frac * (math.log(load) - math.log(lo))), "interpolated"
+        prev = (load, a)
+    return loads[-1], "at least"
+
+
+def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calibration: Calibration | None) -> dict:
+    """Per policy: capacity at the attainment bar; against fcfs: goodput at every load and batch throughput
+    at the policy's capacity load (the highest swept rate it still met the bar at)."""
+    loads = sorted(next(iter(results.values())), key=float)
+    out: dict[str, Any] = {
+        "attainment_bar": sweep.attainment, "factor": sweep.factor, "loads": [float(x) for x in loads],
+        "calibration": None if calibration is None else calibration.__dict__, "policies": {},
+    }  # fmt: skip
+    fcfs = results.get("fcfs")
+    for policy, by_load in results.items():
+        attain = [by_load[x][INTERACTIVE]["slo_attainment"] for x in loads]
+        rate, bound = capacity_at([float(x) for x in loads], attain, sweep.attainment)
+        met = [x for x, a in zip(loads, attain, strict=True) if (1.0 if a is None else a) >= sweep.attainment]
+        entry: dict[str, Any] = {"capacity_rps": rate, "capacity_bound": bound,
+                                 "capacity_load": float(met[-1]) if met else None}  # fmt: skip
+        if fcfs is not None:
+            entry["goodput_vs_fcfs"] = {
+                x: _ratio(by_load[x][INTERACTIVE]["goodput_rps"], fcfs[x][INTERACTIVE]["goodput_rps"]) for x in loads
+            }
+            entry["batch_throughput_vs_fcfs"] = {
+                x: _ratio(by_load[x][BATCH]["throughput_tok_s"], fcfs[x][BATCH]["throughput_tok_s"]) for x in loads
+            }
+            entry["batch_throughput_vs_fcfs_at_capacity"] = (
+                entry["batch_throughput_vs_fcfs"][met[-1]] if met else None
+            )
+        out["policies"][policy] = entry
+    fcfs_entry = out["policies"].get("fcfs")
+    for entry in out["policies"].values():
+        if fcfs_entry is not None:
+            entry["capacity_vs_fcfs"] = _capacity_ratio(entry, fcfs_entry)
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _capacity_ratio(entry: dict, fcfs: dict) -> float | None:
+    """capacity / fcfs's when both are known rates; None when fcfs's is only "below" its first rate (the
+    ratio is then unbounded) or either is only a lower bound."""
+    if entry["capacity_bound"] == "below" or fcfs["capacity_bound"] != "interpolated":
+        return None
+    return entry["capacity_rps"] / fcfs["capacity_rps"]
 
 
 def _describe(requests: list[MixRequest]) -> dict[str, int]:
@@ -301,4 +507,29 @@ def format_slo_mix(report: dict) -> str:
     ]
     if errors:
         rows.append("\nerrors: " + "; ".join(errors))
+    if "sweep" in report:
+        rows.append(format_sweep(report["sweep"]))
     return "\n".join(rows)
+
+
+def format_sweep(sweep: dict) -> str:
+    """The capacity table of a `--sweep`: one row per policy."""
+    bar = 100 * sweep["attainment_bar"]
+    rows = [
+        f"\ncapacity at {bar:.0f}% chat SLO attainment (chat rates x{sweep['factor']:g} from {sweep['loads'][0]:g}):\n",
+        "| policy | capacity (chats/s) | vs fcfs | goodput vs fcfs, min over loads | batch tok/s vs fcfs at capacity |",
+        "|---|---|---|---|---|",
+    ]
+    for policy, e in sweep["policies"].items():
+        cap = {"below": "< ", "at least": ">= ", "interpolated": ""}[e["capacity_bound"]] + f"{e['capacity_rps']:.3g}"
+        goodput = [r for r in e.get("goodput_vs_fcfs", {}).values() if r is not None]
+        batch = e.get("batch_throughput_vs_fcfs_at_capacity")
+        rows.append(
+            f"| {policy} | {cap} | {_fmt(e.get('capacity_vs_fcfs'))} | {_fmt(min(goodput) if goodput else None)} | "
+            f"{_fmt(batch)} |"
+        )
+    return "\n".join(rows)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
