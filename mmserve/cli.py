@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--arch", default="qwen2_vl",
         choices=["qwen2_vl", "qwen2_5_vl", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"],
     )  # fmt: skip
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    tiny.add_argument(
+        "--preset", default="tiny", choices=["tiny", "bench", "qwen2-vl-2b"],
+        help="tiny: tests; bench: `mmserve bench`; qwen2-vl-2b: Qwen2-VL-2B-Instruct's shapes with random bf16 "
+        "weights (qwen2_vl only; 4.4 GB in 2 GB safetensors shards)",
+    )  # fmt: skip
     tiny.add_argument("--seed", type=int, default=0)
 
     gen = sub.add_parser("generate", help="offline generation: chat prompts in, streamed-free text out")
@@ -69,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "make-tiny-model":
         from mmserve.tiny_model import make_tiny_model
 
-        path = make_tiny_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed)
+        try:
+            path = make_tiny_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed)
+        except ValueError as exc:  # e.g. a hub-scale preset with another arch
+            parser.error(f"make-tiny-model: {exc}")
         print(f"wrote {args.arch} ({args.preset}) checkpoint to {path}")
         return 0
     if args.command == "generate":

@@ -1,5 +1,6 @@
 """Writes small random-weight checkpoints in the Hugging Face hub layout: Qwen2-VL, Qwen2.5-VL, Qwen2, and the
-Qwen3 family (Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE).
+Qwen3 family (Qwen3, Qwen3-MoE, Qwen3-VL, Qwen3-VL-MoE); and hub-scale ones (`HUB_PRESETS`: a hub model's shapes
+with random bf16 weights, built on the meta device and written in shards) for benchmarks at real scale.
 
 Owns the presets, a locally trained byte-level BPE tokenizer and the chat template; knows nothing of the engine.
 """
@@ -7,10 +8,12 @@ Owns the presets, a locally trained byte-level BPE tokenizer and the chat templa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import random
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +42,6 @@ from transformers import (
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
 QWEN3_ARCHS = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
 VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-PRESET_NAMES = ("tiny", "bench")
 # Qwen2-VL's added tokens, in Qwen's id order (they follow the BPE vocab, as 151643.. do in Qwen).
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -174,6 +176,12 @@ class Preset:
     experts_per_token: int = 2
     moe_intermediate: int = 24  # 2 * 24 != hidden: a gate_up stored transposed cannot pass for the other layout
     dense_layers: tuple[int, ...] = (1,)
+    # Hub-scale presets set these (the defaults keep the small presets as they were): the embedding rows (0: the
+    # tokenizer's, padded to `vocab_multiple`), tied embeddings (None: tied for `tiny`'s qwen2, qwen3 and
+    # qwen3_vl only) and the dtype the weights are made and written in.
+    vocab_rows: int = 0
+    tie_embeddings: bool | None = None
+    dtype: str = "float32"
 
 
 PRESETS = {
@@ -191,6 +199,21 @@ PRESETS = {
         num_experts=16, experts_per_token=4, moe_intermediate=192, dense_layers=(),
     ),
 }  # fmt: skip
+# Hub-scale presets: name -> (the one arch it is for, its shapes). `make_tiny_model` builds these on the meta
+# device and fills them chunk by chunk (`_random_model_on_meta`); they are kept out of PRESETS, whose entries
+# are small enough to build and run in tests.
+HUB_PRESETS: dict[str, tuple[str, Preset]] = {
+    # Qwen2-VL-2B-Instruct's config.json: 1.54 B text parameters (tied embeddings) + 0.67 B vision, head_dim 128
+    # (so M-RoPE [16, 24, 24]). All 151936 embedding rows are kept; the BPE is small, the rows past it padding.
+    # Pixel bounds: the hub's min, a max well under its 28*28*16384 so that one image stays <= 1280 tokens.
+    "qwen2-vl-2b": ("qwen2_vl", Preset(
+        bpe_vocab=8128, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, max_positions=32768,
+        vision_depth=32, vision_dim=1280, vision_heads=16, vision_intermediate=5120, window_size=112,
+        min_pixels=56 * 56, max_pixels=28 * 28 * 1280, max_frames=768, init_std=0.02, logit_std=4.0,
+        vocab_rows=151936, tie_embeddings=True, dtype="bfloat16",
+    )),
+}  # fmt: skip
+PRESET_NAMES = (*PRESETS, *HUB_PRESETS)
 # Qwen3's patches are 16 px, so one merged token covers 32 x 32 px; the presets' pixel bounds (in 28 px tokens)
 # are carried over as token counts.
 QWEN3_PATCH = 16
@@ -271,31 +294,49 @@ def tokenizer_config(tok: Tokenizer, extra_tokens: tuple[str, ...] = ()) -> dict
     }  # fmt: skip
 
 
+def get_preset(name: str) -> Preset:
+    """The preset called `name`, small (PRESETS) or hub-scale (HUB_PRESETS)."""
+    if name in HUB_PRESETS:
+        return HUB_PRESETS[name][1]
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {PRESET_NAMES}, got {name!r}")
+    return PRESETS[name]
+
+
+def _check_hub_arch(arch: str, preset: str | Preset) -> None:
+    if isinstance(preset, str) and preset in HUB_PRESETS and arch != HUB_PRESETS[preset][0]:
+        raise ValueError(f"preset {preset!r} has the shapes of a {HUB_PRESETS[preset][0]} model, not {arch!r}")
+
+
 def build_config(
     arch: str, preset: str | Preset, tok_ids: dict[str, int], vocab_size: int, **preset_fields: int
 ) -> PreTrainedConfig:
     """The transformers config for (arch, preset); `tok_ids` maps special token -> id."""
-    p = dataclasses.replace(PRESETS[preset] if isinstance(preset, str) else preset, **preset_fields)
+    _check_hub_arch(arch, preset)
+    p = dataclasses.replace(get_preset(preset) if isinstance(preset, str) else preset, **preset_fields)
+    tie = preset == "tiny" if p.tie_embeddings is None else p.tie_embeddings
     head_dim = p.hidden // p.heads
     text = dict(
         vocab_size=vocab_size, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
         num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, max_position_embeddings=p.max_positions,
         max_window_layers=p.layers, rms_norm_eps=1e-6, initializer_range=p.init_std,
-        bos_token_id=tok_ids["<|endoftext|>"], eos_token_id=tok_ids["<|im_end|>"], dtype="float32",
+        bos_token_id=tok_ids["<|endoftext|>"], eos_token_id=tok_ids["<|im_end|>"], dtype=p.dtype,
     )  # fmt: skip
     if arch == "qwen2":
         rope = {"rope_type": "default", "rope_theta": 1e6}
-        return Qwen2Config(**text, rope_parameters=rope, tie_word_embeddings=preset == "tiny")
+        return Qwen2Config(**text, rope_parameters=rope, tie_word_embeddings=tie)
     if arch in QWEN3_ARCHS:
-        return _qwen3_config(arch, p, preset == "tiny", text, tok_ids)
+        return _qwen3_config(arch, p, tie, text, tok_ids)
     # M-RoPE splits head_dim/2 frequencies over (t, h, w) as Qwen's [16, 24, 24] does for head_dim 128.
     section = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
     ids = {k: tok_ids[f"<|{k}|>"] for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
     common = dict(
         image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"], tie_word_embeddings=False,
+        vision_end_token_id=ids["vision_end"], tie_word_embeddings=p.tie_embeddings is True,
     )  # fmt: skip
+    if p.dtype != "float32":  # else left to save_pretrained, which writes float32 there (kept byte-identical)
+        common["dtype"] = p.dtype
     vision: dict = dict(depth=p.vision_depth, num_heads=p.vision_heads, patch_size=14, temporal_patch_size=2,
                         spatial_merge_size=2, in_channels=3, initializer_range=p.init_std)  # fmt: skip
     if arch == "qwen2_vl":
@@ -309,7 +350,7 @@ def build_config(
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
-def _qwen3_config(arch: str, p: Preset, tiny: bool, text: dict, tok_ids: dict[str, int]) -> PreTrainedConfig:
+def _qwen3_config(arch: str, p: Preset, tie: bool, text: dict, tok_ids: dict[str, int]) -> PreTrainedConfig:
     """Qwen3's shapes as the hub's: head_dim set apart from hidden / heads (here twice it, so q is wider than the
     residual stream), per-head q/k norms, no qkv bias; MoE layers with `mlp_only_layers` dense; VL models with
     16 px patches, learned position embeddings, DeepStack levels and interleaved M-RoPE."""
@@ -322,7 +363,7 @@ def _qwen3_config(arch: str, p: Preset, tiny: bool, text: dict, tok_ids: dict[st
         decoder_sparse_step=1, mlp_only_layers=list(p.dense_layers),
     )  # fmt: skip
     if arch == "qwen3":
-        return Qwen3Config(**text, rope_parameters=rope, tie_word_embeddings=tiny)
+        return Qwen3Config(**text, rope_parameters=rope, tie_word_embeddings=tie)
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**text, **moe, norm_topk_prob=True, rope_parameters=rope, tie_word_embeddings=False)
     # Interleaved M-RoPE: of head_dim/2 frequencies, h and w take every third from 1 and 2 (Qwen's [24, 20, 20]).
@@ -342,7 +383,7 @@ def _qwen3_config(arch: str, p: Preset, tiny: bool, text: dict, tok_ids: dict[st
     ids = {k: tok_ids[f"<|{k}|>"] for k in ("image_pad", "video_pad", "vision_start", "vision_end")}
     common = dict(
         image_token_id=ids["image_pad"], video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"], tie_word_embeddings=tiny and arch == "qwen3_vl",
+        vision_end_token_id=ids["vision_end"], tie_word_embeddings=tie and arch == "qwen3_vl",
     )  # fmt: skip
     text["tie_word_embeddings"] = common["tie_word_embeddings"]  # the top-level value rules; keep them agreeing
     cls = Qwen3VLConfig if arch == "qwen3_vl" else Qwen3VLMoeConfig
@@ -369,6 +410,57 @@ def _spread_weights(model: PreTrainedModel, p: Preset, never: list[int]) -> None
     # just repeats the last token, since the residual stream is mostly that token's embedding).
     lm_head_std = model.get_output_embeddings().weight.std()
     model.get_decoder().norm.weight.mul_(p.logit_std / (p.hidden**0.5 * lm_head_std))
+
+
+# Elements drawn per generator: each chunk has its own seed, so threads may fill the chunks in any order.
+FILL_CHUNK = 1 << 24
+
+
+def _chunk_seed(seed: int, index: int) -> int:
+    """The generator seed of chunk `index` (counted over all parameters in `named_parameters` order). A hash
+    of both, 32 bits: torch's CPU generator (mt19937) keeps only a seed's low 32 bits."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=4).digest(), "little")
+
+
+@torch.no_grad()
+def _random_model_on_meta(
+    arch: str, config: PreTrainedConfig, p: Preset, never: list[int], seed: int
+) -> PreTrainedModel:
+    """`arch`'s model with random weights in `p.dtype`, for `save_pretrained` only (non-persistent buffers such as
+    rotary `inv_freq` are left uninitialised). Built on the meta device, so there is no float32 copy and no
+    transformers init pass; then every tensor is filled from `seed`, chunk by chunk, each chunk from its own
+    torch.Generator: the same bytes whatever the thread count. Matrices (and the patch conv) get normal(0,
+    init_std); 1-D gains 1 and biases 0 plus normal(0, 0.1) noise, as `_spread_weights`; rows `never` of lm_head
+    are zeroed and the final norm's gain sets the logits' std to about `logit_std`, as there."""
+    with torch.device("meta"):
+        model = model_class(arch)(config)
+    model = model.to(getattr(torch, p.dtype)).to_empty(device="cpu").eval()
+    model.tie_weights()  # to_empty gives each module a new tensor, so tied embeddings must be tied again
+    params = dict(model.named_parameters())  # tied tensors once
+    unfilled = set(model.state_dict()) - set(params) - set(getattr(model, "_tied_weights_keys", None) or ())
+    if unfilled:  # a persistent buffer would be saved as uninitialised memory
+        raise RuntimeError(f"{arch} has persistent buffers this fill does not cover: {sorted(unfilled)[:4]}")
+    chunks: list[tuple[torch.Tensor, float, float]] = []  # (flat slice, mean, std)
+    for name, param in params.items():
+        mean, std = (0.0 if name.endswith("bias") else 1.0, 0.1) if param.ndim == 1 else (0.0, p.init_std)
+        flat = param.view(-1)
+        chunks += [(flat[i : i + FILL_CHUNK], mean, std) for i in range(0, flat.numel(), FILL_CHUNK)]
+
+    def fill(index: int) -> None:
+        view, mean, std = chunks[index]
+        with torch.no_grad():  # grad mode is per thread
+            view.normal_(mean, std, generator=torch.Generator().manual_seed(_chunk_seed(seed, index)))
+
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:  # normal_ releases the GIL
+        list(pool.map(fill, range(len(chunks))))
+    lm_head = model.get_output_embeddings().weight  # [vocab_size, hidden]
+    live = torch.ones(lm_head.shape[0], dtype=torch.bool)
+    live[never] = False
+    lm_head[~live] = 0.0
+    # As `_spread_weights`, but the std of the live rows only: most of a hub-size vocabulary is zeroed padding.
+    lm_head_std = lm_head[live].float().std()
+    model.get_decoder().norm.weight.mul_(p.logit_std / (p.hidden**0.5 * lm_head_std))
+    return model
 
 
 def preprocessor_configs(arch: str, p: Preset) -> tuple[dict, dict]:
@@ -420,19 +512,24 @@ def make_tiny_model(
     preset: str = "tiny",
     seed: int = 0,
     vocab_multiple: int = 64,
+    max_shard_size: int | str = "2GB",
     **preset_fields: int,
 ) -> Path:
     """Write a random-weight checkpoint of `arch` to `out_dir` and return the path; same seed -> same bytes.
 
     `vocab_multiple`: the embedding rows are the tokenizer's padded to a multiple of this (Qwen pads;
-    1 keeps an odd vocabulary). `preset_fields` override the preset's (e.g. kv_heads=1, bpe_vocab=4031)."""
+    1 keeps an odd vocabulary), unless the preset fixes them (`vocab_rows`). `preset_fields` override the
+    preset's (e.g. kv_heads=1, bpe_vocab=4031). A hub-scale preset (`HUB_PRESETS`, e.g. "qwen2-vl-2b") is for
+    its one arch; its model is built on the meta device and filled in its dtype (`_random_model_on_meta`).
+    The weights are written in safetensors shards of at most `max_shard_size` (the small presets fit in one)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if preset not in PRESET_NAMES:
         raise ValueError(f"preset must be one of {PRESET_NAMES}, got {preset!r}")
+    _check_hub_arch(arch, preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    p = dataclasses.replace(PRESETS[preset], **preset_fields)
+    p = dataclasses.replace(get_preset(preset), **preset_fields)
 
     extra = QWEN3_EXTRA_TOKENS if arch in QWEN3_ARCHS else ()
     tok = build_tokenizer(p.bpe_vocab, extra_tokens=extra)
@@ -442,17 +539,22 @@ def make_tiny_model(
     template = QWEN3_CHAT_TEMPLATE if arch in QWEN3_ARCHS else CHAT_TEMPLATE
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
-    vocab_size = -(-tok.get_vocab_size() // vocab_multiple) * vocab_multiple  # padded rows, as Qwen has
+    vocab_size = p.vocab_rows or -(-tok.get_vocab_size() // vocab_multiple) * vocab_multiple  # padded, as Qwen
+    if vocab_size < tok.get_vocab_size():
+        raise ValueError(f"vocab_size {vocab_size} is less than the tokenizer's {tok.get_vocab_size()} tokens")
     config = build_config(arch, preset, ids, vocab_size, **preset_fields)
-    torch.manual_seed(seed)
-    model = model_class(arch)(config).eval()
     # Padded ids cannot be detokenized and a generated <|image_pad|> would read as a placeholder, so of the rows
     # past the BPE vocab only the stop tokens may win. Tied rows are input embeddings too: zero padding only.
     stops = {ids["<|im_end|>"], ids["<|endoftext|>"]}
     first = tok.get_vocab_size() if config.tie_word_embeddings else p.bpe_vocab
     never = [i for i in range(first, vocab_size) if i not in stops]
-    _spread_weights(model, p, never)
-    model.save_pretrained(out, safe_serialization=True)
+    if preset in HUB_PRESETS:
+        model = _random_model_on_meta(arch, config, p, never, seed)
+    else:
+        torch.manual_seed(seed)
+        model = model_class(arch)(config).eval()
+        _spread_weights(model, p, never)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     gen = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], do_sample=False,
