@@ -121,9 +121,14 @@ def test_interactive_decodes_get_their_token_even_when_they_alone_exceed_the_tar
     sched.add_request(request("batch", clock.now, 2000, 4, "batch", first_token_id=10**6))
     plan = step(sched, clock)
     assert all(grants(plan).get(f"c{i}") == 1 for i in range(40))
-    assert TRUE_COST.predict(StepFeatures.of_plan(plan)) > 0.005  # the decodes alone cost more
-    # Batch still moves: its minimum share (10% of 5 ms) buys less than a token, so it gets one.
-    assert grants(plan).get("batch") == 1
+    f = StepFeatures.of_plan(plan)
+    n = grants(plan)["batch"]
+    decodes = TRUE_COST.predict(StepFeatures(f.new_tokens - n, f.context_tokens - n, f.num_seqs - 1, 0))
+    assert decodes > 0.005  # the decodes alone cost more than the target
+    # The streams miss 5 ms whatever else runs, so batch's minimum share (10%) is of the step as it runs, not
+    # of the lost target (10% of 5 ms buys less than a token): it moves by more than one token, within it.
+    assert n > 1
+    assert TRUE_COST.predict(f) <= 1.1 * decodes + 1e-12
 
 
 # -- ordering -----------------------------------------------------------------------------------------

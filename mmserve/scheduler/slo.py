@@ -285,7 +285,11 @@ class SloPlanner:
         share = self.config.batch_min_share
         has_batch = bool(batch or optional_decodes)
         reserve_tokens = math.ceil(share * step.budget) if has_batch else 0
-        floor_seconds = share * self.last_time_limit if self.last_time_limit != math.inf else 0.0
+        # Of the step as it will run: when the mandatory decodes alone outgrow the limit (the streams miss
+        # their TBT this step whatever else runs), the floor grows with them, so prefills are not starved
+        # for a target that is lost anyway.
+        limit = self.last_time_limit
+        floor_seconds = share * max(limit, limit - step.seconds_left) if limit != math.inf else 0.0
         reserve_seconds = floor_seconds if has_batch else 0.0
         first_late = next((r for key, r in work if key[0] == Tier.LATE), None)
         for request in urgent:

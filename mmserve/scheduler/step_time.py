@@ -75,6 +75,12 @@ class StepTimeStats:
     error_factor: float  # the planning margin now (see StepTimeModel.error_factor)
 
 
+# The widest planning margin. Errors beyond 2x are transients (a noisy neighbour, a cold start) that the
+# refit absorbs within tens of steps; a wider margin would shrink every step's prefill to nothing meanwhile,
+# which costs the queued requests their TTFT without saving the streams their TBT.
+MAX_ERROR_FACTOR = 2.0
+
+
 class StepTimeModel:
     """t = max(0, sum_i coef_i * feature_i), refitted after every observed step.
 
@@ -165,12 +171,12 @@ class StepTimeModel:
 
     def error_factor(self) -> float:
         """How much longer than predicted a step may run: the `error_quantile` of measured / predicted
-        over the recent steps, within [1, 4] (1 before any step: the prior is already slow)."""
+        over the recent steps, within [1, MAX_ERROR_FACTOR] (1 before any step: the prior is already slow)."""
         if not self._ratios:
             return 1.0
         ranked = sorted(self._ratios)
         q = ranked[max(0, math.ceil(self.error_quantile * len(ranked)) - 1)]
-        return min(max(q, 1.0), 4.0)
+        return min(max(q, 1.0), MAX_ERROR_FACTOR)
 
     def stats(self) -> StepTimeStats:
         return StepTimeStats(
