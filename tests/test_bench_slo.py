@@ -21,6 +21,7 @@ from mmserve.bench.slo_mix import (
     build_mix,
     capacity_at,
     format_sweep,
+    load_ladder,
     phase_metrics,
     sweep_summary,
 )
@@ -149,9 +150,10 @@ def test_slo_mix_sweep_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Pa
     # The targets the servers ran with are the calibrated ones, not quick mode's fixed 60 s.
     ttft_ms, tbt_ms = Calibration(**cal).targets()
     assert (report["config"]["ttft_ms"], report["config"]["tbt_ms"]) == (ttft_ms, tbt_ms)
+    assert report["config"]["num_batch"] == Calibration(**cal).num_batch(QUICK_MIX.duration_s)
     assert report["config"]["admission_control"] == "reject"
     loads = sweep["loads"]
-    assert 1 <= len(loads) <= 2 and loads[0] == Calibration(**cal).start_load()
+    assert 1 <= len(loads) <= 2 and Calibration(**cal).start_load() in loads  # then up or down by 1.5x
     if len(loads) == 2:
         assert loads[1] == pytest.approx(1.5 * loads[0], rel=0.01)
     assert set(sweep["policies"]) == {"fcfs", "slo"}
@@ -162,6 +164,21 @@ def test_slo_mix_sweep_quick(tiny_model_dir: Callable[[str], Path], tmp_path: Pa
             m = report["results"][policy][load]
             assert m[BATCH]["completed"] == m[BATCH]["requests"]  # rejections only ever hit chats
     assert all(r in (1.0, None) for r in sweep["policies"]["fcfs"]["goodput_vs_fcfs"].values())  # None: 0 / 0
+
+
+def test_sweep_ladder_goes_up_until_all_miss_or_down_until_one_meets() -> None:
+    def run(start: float, meets_below: float, max_loads: int = 8) -> list[float]:
+        met: list[bool] = []
+        loads = []
+        for load in load_ladder(MixConfig(), SweepConfig(start_load=start, max_loads=max_loads), start, met):
+            loads.append(load)
+            met.append(load < meets_below)  # some policy meets the bar below this rate
+        return loads
+
+    assert run(1.0, 3.0) == [1.0, 1.5, 2.25, 3.38]  # up until every policy missed
+    assert run(4.0, 2.0) == [4.0, 2.67, 1.78]  # none met at the start: down until one did
+    assert run(1.0, 100.0, max_loads=3) == [1.0, 1.5, 2.25]
+    assert list(load_ladder(MixConfig(loads=(0.5, 2.0)), None, 0.5, [])) == [0.5, 2.0]
 
 
 def test_capacity_is_interpolated_in_log_rate() -> None:

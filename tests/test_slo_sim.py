@@ -104,7 +104,9 @@ def test_golden_burst_of_chats_over_a_batch_backlog() -> None:
     sched, traces = burst_over_backlog("slo")
     fcfs_sched, fcfs_traces = burst_over_backlog("fcfs")
     assert goodput(fcfs_sched, fcfs_traces, INTERACTIVE) == 0  # every chat waits behind the backlog
-    assert goodput(sched, traces, INTERACTIVE) >= 22
+    # 24 x 40 tokens of prefill take about a second: with the backlog decoding, steps are held to max_step_ms,
+    # so the burst is served over several steps and the last few chats miss their 1 s TTFT.
+    assert goodput(sched, traces, INTERACTIVE) >= 20
     assert max(t.ttft for t in chats_of(traces)) < 1.2  # type: ignore[type-var]
 
     # Batch throughput barely suffers: the backlog finishes within 5% of fcfs.

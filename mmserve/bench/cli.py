@@ -379,7 +379,9 @@ def _add_slo_mix_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--workload slo-mix (fcfs, priority and slo side by side, in-process servers)")
     g.add_argument("--loads", default="0.5,1,2", help="comma-separated chat arrival rates (req/s)")
     g.add_argument("--duration-s", type=float, default=20.0, help="seconds of chats per load")
-    g.add_argument("--num-batch", type=int, default=6, help="batch jobs per load (text, multi-image, video)")
+    g.add_argument("--num-batch", type=int, default=None,
+                   help="batch jobs per load, cycling text, multi-image, video (default 6; with --sweep: a backlog "
+                        "of about half a phase's compute, measured)")  # fmt: skip
     g.add_argument("--policies", default="fcfs,priority,slo")
     g.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="interactive TTFT target (default 1000; with --sweep: from a measurement at start)")  # fmt: skip
@@ -575,12 +577,15 @@ def _bench_slo_mix(args: argparse.Namespace) -> int:
         sweep = SweepConfig(
             start_load=args.sweep_start, factor=args.sweep_factor, max_loads=args.sweep_max_loads,
             attainment=args.sweep_attainment, ttft_ms=args.slo_ttft_ms, tbt_ms=args.slo_tbt_ms,
+            num_batch=args.num_batch,
         ) if args.sweep else None  # fmt: skip
-        targets = {} if args.sweep else {"ttft_ms": args.slo_ttft_ms or 1000.0, "tbt_ms": args.slo_tbt_ms or 100.0}
+        targets = {} if args.sweep else {
+            "ttft_ms": args.slo_ttft_ms or 1000.0, "tbt_ms": args.slo_tbt_ms or 100.0, "num_batch": args.num_batch or 6,
+        }  # fmt: skip
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
         cfg = dataclasses.replace(QUICK_MIX, policies=policies, **planner) if args.quick else MixConfig(
             loads=tuple(float(x) for x in args.loads.split(",") if x.strip()), duration_s=args.duration_s,
-            num_batch=args.num_batch, policies=policies, max_num_batched_tokens=args.max_num_batched_tokens,
+            policies=policies, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, seed=args.seed, **targets, **planner,
         )  # fmt: skip
     except ValueError as exc:

@@ -233,7 +233,8 @@ def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: flo
 @dataclass(frozen=True)
 class SweepConfig:
     """`--sweep`: chat rates start_load x factor^k, k = 0, 1, ... until every policy's attainment is below
-    `attainment` (or `max_loads` rates ran). None fields are calibrated at start (see `calibrate`)."""
+    `attainment` (or `max_loads` rates ran); if none meets it at the start, start_load / factor^k instead until one
+    does. None fields are calibrated at start (see `calibrate`)."""
 
     start_load: float | None = None  # None: a quarter of the measured burst chat rate
     factor: float = 1.5
@@ -241,6 +242,7 @@ class SweepConfig:
     attainment: float = 0.9
     ttft_ms: float | None = None  # None: from the chat TTFT measured alone (`Calibration.targets`)
     tbt_ms: float | None = None
+    num_batch: int | None = None  # None: a backlog of about half a phase's compute (`Calibration.num_batch`)
 
     def __post_init__(self) -> None:
         if self.start_load is not None and not (self.start_load > 0 and math.isfinite(self.start_load)):
@@ -253,19 +255,25 @@ class SweepConfig:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the machine does with this mix's chats and no batch work, measured on an fcfs server."""
+    """What the machine does with this mix's requests, each kind alone, measured on an fcfs server."""
 
     ttft_s: float  # median TTFT of a chat served alone
     tpot_s: float  # median TPOT of a chat served alone
     burst_rps: float  # chats finished per second when BURST_CHATS arrive at once
+    batch_prefill_s: float  # seconds to the last first token of one batch job of each kind sent together
 
     def targets(self) -> tuple[float, float]:
-        """(TTFT, TBT) targets in ms that a loaded server can meet but a backlog of prefills cannot hide in:
-        TBT 6x an unloaded step (room for a batch of decodes and a slice of prefill), TTFT 10x a chat's
-        prefill alone but never under 5 TBT targets (a queued chat waits some steps). Rounded up to 10 ms."""
-        tbt = 10.0 * math.ceil(600.0 * self.tpot_s)
+        """(TTFT, TBT) targets in ms: TBT 4x the unloaded inter-token time (room for a batch of decodes and
+        a slice of prefill, not for a full prefill chunk on top), TTFT 10x a chat's prefill alone but never
+        under 5 TBT targets (a queued chat waits some steps). Rounded up to 10 ms."""
+        tbt = 10.0 * math.ceil(400.0 * self.tpot_s)
         ttft = max(10.0 * math.ceil(1000.0 * self.ttft_s), 5.0 * tbt)
         return ttft, tbt
+
+    def num_batch(self, duration_s: float, share: float = 0.5) -> int:
+        """Batch jobs (a multiple of the 3 kinds) whose prefills alone take about `share` of `duration_s`:
+        a backlog that lasts through the phase on any machine, not one a fast CPU clears in its first second."""
+        return 3 * max(1, round(share * duration_s / self.batch_prefill_s))
 
     def start_load(self) -> float:
         """A quarter of the burst rate, to two significant digits: well under capacity on any machine."""
@@ -278,31 +286,36 @@ BURST_CHATS = 16  # chats sent at once
 
 
 def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool = True) -> Calibration:
-    """Chats of `cfg`'s shapes on a fresh fcfs server: CALIBRATION_ALONE one at a time (TTFT and TPOT of an
-    unloaded server), then BURST_CHATS at once (the rate the machine finishes chats at when saturated)."""
+    """Requests of `cfg`'s shapes on a fresh fcfs server: CALIBRATION_ALONE chats one at a time (TTFT and
+    TPOT of an unloaded server), BURST_CHATS at once (the rate the machine finishes chats at when saturated),
+    then one batch job of each kind together (how long the machine takes to prefill them)."""
     from mmserve.bench.serve import InProcessServer
 
     chats = build_chats(cfg, CALIBRATION_ALONE + BURST_CHATS, cfg.seed + 10_000, tokenizer)
+    jobs = build_mix(replace(cfg, num_batch=3), 1.0, cfg.seed + 20_000, tokenizer)[:3]
     server = InProcessServer(model, **cfg.engine_kwargs("fcfs"))
     try:
         url = server.url.rstrip("/")
         asyncio.run(run_phase(url, [_warm_up()]))
         alone = [asyncio.run(run_phase(url, [c]))[0][0][1] for c in chats[:CALIBRATION_ALONE]]
         pairs, duration = asyncio.run(run_phase(url, chats[CALIBRATION_ALONE:]))
+        batch = [t for _, t in asyncio.run(run_phase(url, jobs))[0]]
     finally:
         server.close()
-    failed = [t.error for t in alone + [t for _, t in pairs] if not t.success]
+    failed = [t.error for t in alone + [t for _, t in pairs] + batch if not t.success]
     if failed:
-        raise RuntimeError(f"slo-mix calibration: chats failed: {failed[:3]}")
+        raise RuntimeError(f"slo-mix calibration: requests failed: {failed[:3]}")
     result = Calibration(
         ttft_s=statistics.median(t.ttft_s for t in alone if t.ttft_s is not None),
         tpot_s=statistics.median(t.tpot_s for t in alone if t.tpot_s is not None),
         burst_rps=len(pairs) / duration,
+        batch_prefill_s=max(t.ttft_s for t in batch if t.ttft_s is not None),
     )
     if progress:
         print(
             f"slo-mix: calibrated: a chat alone TTFT {1000 * result.ttft_s:.0f} ms, TPOT {1000 * result.tpot_s:.1f} ms;"
-            f" {result.burst_rps:.2f} chats/s in a burst of {len(pairs)}",
+            f" {result.burst_rps:.2f} chats/s in a burst of {len(pairs)}; one batch job of each kind prefilled in "
+            f"{result.batch_prefill_s:.2f} s",
             flush=True,
         )
     return result
@@ -312,12 +325,20 @@ def _warm_up() -> MixRequest:
     return MixRequest(INTERACTIVE, "text", [{"role": "user", "content": "Warm up."}], 2, 0.0)
 
 
-def _load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float) -> Iterator[float]:
+def load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float, met: list[bool]) -> Iterator[float]:
+    """`cfg.loads`; with `sweep`, rates from `start` up by its factor while some policy meets the bar, or, if
+    none met it at `start`, down until one does. `met[-1]`: whether some policy met it at the rate last given."""
     if sweep is None:
         yield from cfg.loads
         return
+    load, step = start, sweep.factor
     for k in range(sweep.max_loads):
-        yield float(f"{start * sweep.factor**k:.3g}")
+        yield float(f"{load:.3g}")
+        if k == 0 and not met[-1]:
+            step = 1.0 / sweep.factor
+        elif (step > 1.0) != met[-1]:  # up and every policy missed, or down and one met: bracketed
+            return
+        load *= step
 
 
 def bench_slo_mix(
@@ -328,24 +349,27 @@ def bench_slo_mix(
     sweep: SweepConfig | None = None,
 ) -> dict:
     """Every policy on every load (one in-process server per policy, all up for the whole run; the same
-    requests for all, load by load). With `sweep`, the loads are its ladder, stopped at the first load where
-    every policy misses the attainment bar."""
+    requests for all, load by load). With `sweep`, the loads are its ladder (`load_ladder`): up until every
+    policy misses the attainment bar, or down from the start until one meets it."""
     from mmserve.bench.serve import InProcessServer
 
     tokenizer = _load_tokenizer(model)
     calibration: Calibration | None = None
     start = cfg.loads[0]
     if sweep is not None:
-        if sweep.start_load is None or sweep.ttft_ms is None or sweep.tbt_ms is None:
+        if None in (sweep.start_load, sweep.ttft_ms, sweep.tbt_ms, sweep.num_batch):
             calibration = calibrate(model, cfg, tokenizer, progress)
             ttft_ms, tbt_ms = calibration.targets()
-            cfg = replace(cfg, ttft_ms=sweep.ttft_ms or ttft_ms, tbt_ms=sweep.tbt_ms or tbt_ms)
+            cfg = replace(
+                cfg, ttft_ms=sweep.ttft_ms or ttft_ms, tbt_ms=sweep.tbt_ms or tbt_ms,
+                num_batch=sweep.num_batch or calibration.num_batch(cfg.duration_s),
+            )  # fmt: skip
         else:
-            cfg = replace(cfg, ttft_ms=sweep.ttft_ms, tbt_ms=sweep.tbt_ms)
+            cfg = replace(cfg, ttft_ms=sweep.ttft_ms, tbt_ms=sweep.tbt_ms, num_batch=sweep.num_batch)
         start = sweep.start_load or calibration.start_load()  # type: ignore[union-attr]
         if progress:
-            print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT {cfg.tbt_ms:g} ms",
-                  flush=True)  # fmt: skip
+            print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT {cfg.tbt_ms:g} ms, "
+                  f"{cfg.num_batch} batch jobs per load", flush=True)  # fmt: skip
     servers: dict[str, InProcessServer] = {}
     phases: dict[str, dict[str, int]] = {}
     results: dict[str, dict[str, dict]] = {policy: {} for policy in cfg.policies}
@@ -353,7 +377,8 @@ def bench_slo_mix(
         for policy in cfg.policies:
             servers[policy] = InProcessServer(model, **cfg.engine_kwargs(policy))
             asyncio.run(run_phase(servers[policy].url.rstrip("/"), [_warm_up()]))
-        for i, load in enumerate(_load_ladder(cfg, sweep, start)):
+        met: list[bool] = []
+        for i, load in enumerate(load_ladder(cfg, sweep, start, met)):
             requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
             phases[f"{load:g}"] = _describe(requests)
             for policy, server in servers.items():
@@ -362,11 +387,8 @@ def bench_slo_mix(
                 m["errors"] = sorted({t.error for _, t in pairs if t.error})[:5]
                 if progress:
                     print(f"slo-mix: {policy} @ {load:g} chats/s: {_line(m)}", flush=True)
-            if sweep is not None and all(
-                (by_load[f"{load:g}"][INTERACTIVE]["slo_attainment"] or 0.0) < sweep.attainment
-                for by_load in results.values()
-            ):
-                break
+            attained = (by_load[f"{load:g}"][INTERACTIVE]["slo_attainment"] for by_load in results.values())
+            met.append(sweep is not None and any((1.0 if a is None else a) >= sweep.attainment for a in attained))
     finally:
         for server in servers.values():
             server.close()

@@ -255,10 +255,11 @@ class SloPlanner:
         # The time budget, when interactive streams decode: the tightest TBT target among them (plus what
         # each may lend of its lead, see tbt_allowance) and max_step_ms, less the headroom kept for
         # prediction error (a step planned to exactly the target misses it half the time; see
-        # step_time_limit). Batch streams have no latency target: alone, they do not limit the step.
+        # step_time_limit). Batch streams have no TBT target: alone, they limit the step to max_step_ms only,
+        # as under every policy (an unbounded batch step would also hold back the chats arriving meanwhile).
         allowances = [a for r in interactive_decodes if (a := self.tbt_allowance(r, now)) is not None]
         tbt = min(allowances, default=math.inf)
-        self.last_time_limit = sched.step_time_limit(tbt) if interactive_decodes else math.inf
+        self.last_time_limit = sched.step_time_limit(tbt) if decodes else math.inf
         step.limit_time(self.last_time_limit, sched.step_time.intercept())
         self._late = self._late_prefills()
         self._pace_s = min((self._pace_left(r, now) for r in interactive_decodes), default=math.inf)
