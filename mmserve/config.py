@@ -44,7 +44,7 @@ class SchedulerConfig:
     # TPOT is a mean: a stream ahead of its TBT pace (tokens so far x TBT > time since its first token)
     # may lend up to this much of its lead to one step, for a bigger prefill chunk. 0: every step fits
     # the TBT target (a bound on each inter-token gap, not only on their mean).
-    tbt_slack_ms: float = 0.0
+    tbt_slack_ms: float = 250.0
     batch_aging_ms: float = 30_000.0  # a batch request waiting this long is served like a late chat
     pin_after_preemptions: int = 2  # a request preempted this often is not evicted again ...
     pin_ms: float = 2_000.0  # ... for this long after its latest preemption

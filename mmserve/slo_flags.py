@@ -19,6 +19,7 @@ def add_slo_planner_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--step-time-headroom", type=float, default=0.1,
                    help="steps are planned to (1 - this) x their time target (--max-step-ms, or the tightest "
                         "interactive TBT), further divided by the step-time model's measured error")  # fmt: skip
-    g.add_argument("--tbt-slack-ms", type=float, default=0.0,
-                   help="a stream ahead of its TBT pace may lend up to this much of its lead to one step "
-                        "(TPOT is a mean); 0: every step fits the TBT target")  # fmt: skip
+    g.add_argument("--tbt-slack-ms", type=float, default=250.0,
+                   help="a stream ahead of its TBT pace may lend up to this much of its lead to one step (TPOT "
+                        "is a mean; a step stays within --max-step-ms regardless); 0: every step fits the TBT "
+                        "target")  # fmt: skip

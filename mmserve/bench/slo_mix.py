@@ -60,7 +60,7 @@ class MixConfig:
     max_step_ms: float | None = 250.0  # every policy's step-time target while decodes run (None: fixed budgets)
     admission_control: str = "off"  # the slo policy's: "reject" answers 429 to a chat it predicts late
     step_time_headroom: float = 0.1  # the slo policy plans steps to (1 - this) x the TBT target
-    tbt_slack_ms: float = 0.0  # the slo policy's lend of a stream's lead on its TBT pace
+    tbt_slack_ms: float = 250.0  # the slo policy's lend of a stream's lead on its TBT pace
     batch_min_share: float = 0.1  # the slo policy's share of each step kept for batch work
     seed: int = 0
 
