@@ -46,15 +46,20 @@ def body(**extra: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(
+def slo_engine(model_dir: Path, admission_control: str, num_kv_blocks: int) -> AsyncEngine:
+    """The tiny model under the slo policy with this module's class targets."""
+    return AsyncEngine(
         EngineArgs(
-            str(tiny_model_dir("qwen2_vl")), max_num_batched_tokens=128, max_model_len=1024, num_kv_blocks=128,
+            str(model_dir), max_num_batched_tokens=128, max_model_len=1024, num_kv_blocks=num_kv_blocks,
             scheduler_policy="slo", interactive_ttft_ms=TTFT_MS, interactive_tbt_ms=TBT_MS,
-            admission_control="downgrade",
+            admission_control=admission_control,
         )
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Callable[[str], Path]) -> Iterator[AsyncEngine]:
+    engine = slo_engine(tiny_model_dir("qwen2_vl"), "downgrade", num_kv_blocks=128)
     yield engine
     asyncio.run(engine.shutdown(1.0))
 
@@ -314,13 +319,7 @@ def test_admission_reject_is_a_429_with_retry_after_through_the_api(
     """`--slo-admission reject` on a real server: a chat whose TTFT target cannot be met (1 µs) is refused
     with 429, Retry-After and code slo_infeasible before anything is queued; the others are served, and
     /metrics counts the refusal and shows the online step-time model's record."""
-    engine = AsyncEngine(
-        EngineArgs(
-            str(tiny_model_dir("qwen2_vl")), max_num_batched_tokens=128, max_model_len=1024, num_kv_blocks=64,
-            scheduler_policy="slo", interactive_ttft_ms=TTFT_MS, interactive_tbt_ms=TBT_MS,
-            admission_control="reject",
-        )
-    )  # fmt: skip
+    engine = slo_engine(tiny_model_dir("qwen2_vl"), "reject", num_kv_blocks=64)
     settings = ServerSettings(data_dir=tmp_path, served_model_name="tiny")
     live = ServerThread(lambda: create_app(engine, settings))
     try:
