@@ -131,6 +131,18 @@ def test_interactive_decodes_get_their_token_even_when_they_alone_exceed_the_tar
     assert TRUE_COST.predict(f) <= 1.1 * decodes + 1e-12
 
 
+def test_a_feasible_chat_moves_even_when_the_decodes_alone_exceed_the_target() -> None:
+    """The decodes alone outgrow the 5 ms target: a chat that can still make its 2 s TTFT gets the floor share
+    from its first step (the feasibility test assumes prefills get it), not only once it has turned late."""
+    clock = VirtualClock()
+    sched = make_scheduler("slo", clock, budget=512, max_seqs=64)
+    for i in range(40):
+        sched.add_request(request(f"c{i}", 0.0, 8, 50, slo={"tbt_ms": 5}, first_token_id=100 * i))
+    step(sched, clock)
+    sched.add_request(request("new", clock.now, 200, 4, slo={"ttft_ms": 2000}, first_token_id=10**6))
+    assert grants(step(sched, clock)).get("new", 0) > 0
+
+
 # -- ordering -----------------------------------------------------------------------------------------
 def first_scheduled_order(sched: Scheduler, clock: VirtualClock) -> list[str]:
     order: list[str] = []

@@ -293,8 +293,13 @@ class SloPlanner:
         floor_seconds = share * max(limit, limit - step.seconds_left) if limit != math.inf else 0.0
         reserve_seconds = floor_seconds if has_batch else 0.0
         first_late = next((r for key, r in work if key[0] == Tier.LATE), None)
+        # When the mandatory decodes alone use up the limit, the feasible head moves too (at the floor), as
+        # prefill_rate assumes: else a chat judged able to make its TTFT would wait until it is late.
+        first_feasible = next((r for key, r in work if key[0] == Tier.FEASIBLE), None) if step.seconds_left <= 0 else None
         for request in urgent:
-            progress = Progress.GROUP if request is first_late else Progress.NONE
+            progress = (
+                Progress.GROUP if request is first_late else Progress.TOKEN if request is first_feasible else Progress.NONE
+            )
             self._serve_prefill(step, request, reserve_tokens, reserve_seconds, progress, floor_seconds)
         step.seconds_left = max(step.seconds_left, reserve_seconds)
         for request in optional_decodes:
