@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument(
         "--preset", default="tiny", choices=["tiny", "bench", "qwen2-vl-2b"],
         help="tiny: tests; bench: `mmserve bench`; qwen2-vl-2b: Qwen2-VL-2B-Instruct's shapes with random bf16 "
-        "weights (qwen2_vl only; 4.4 GB in 2 GB safetensors shards)",
+        "weights (qwen2_vl only; 4.4 GB (4.2 GiB) in 2 GB safetensors shards)",
     )  # fmt: skip
     tiny.add_argument("--seed", type=int, default=0)
 

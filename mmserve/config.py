@@ -49,7 +49,8 @@ class SchedulerConfig:
     pin_after_preemptions: int = 2  # a request preempted this often is not evicted again ...
     pin_ms: float = 2_000.0  # ... for this long after its latest preemption
     admission_control: str = "off"  # "downgrade" | "reject" an interactive request whose TTFT cannot be met
-    step_time_model: str | None = None  # JSON of StepTimeModel coefficients; None: built-in defaults
+    # JSON of StepTimeModel coefficients, a warm start (every policy sizes steps from it); None: the built-in prior
+    step_time_model: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -210,7 +211,9 @@ class EngineArgs:
     interactive_ttft_ms: float | None = DEFAULT_INTERACTIVE_SLO.ttft_ms
     interactive_tbt_ms: float | None = DEFAULT_INTERACTIVE_SLO.tbt_ms
     admission_control: str = "off"  # "downgrade" | "reject" (429) a chat whose TTFT cannot be met
-    step_time_model: str | None = None  # JSON written by `mmserve bench profile`; None: built-in guess
+    # A warm start for the online step-time model every policy sizes steps from (JSON written by `mmserve bench
+    # profile`); None: the built-in prior.
+    step_time_model: str | None = None
     max_batch_decode_skips: int = SchedulerConfig.max_batch_decode_skips
     batch_min_share: float = SchedulerConfig.batch_min_share
     step_time_headroom: float = SchedulerConfig.step_time_headroom  # steps planned to (1 - this) x their target

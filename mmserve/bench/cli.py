@@ -580,7 +580,9 @@ def _bench_slo_mix(args: argparse.Namespace) -> int:
             num_batch=args.num_batch,
         ) if args.sweep else None  # fmt: skip
         targets = {} if args.sweep else {
-            "ttft_ms": args.slo_ttft_ms or 1000.0, "tbt_ms": args.slo_tbt_ms or 100.0, "num_batch": args.num_batch or 6,
+            "ttft_ms": 1000.0 if args.slo_ttft_ms is None else args.slo_ttft_ms,
+            "tbt_ms": 100.0 if args.slo_tbt_ms is None else args.slo_tbt_ms,
+            "num_batch": 6 if args.num_batch is None else args.num_batch,
         }  # fmt: skip
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
         cfg = dataclasses.replace(QUICK_MIX, policies=policies, **planner) if args.quick else MixConfig(

@@ -164,9 +164,10 @@ def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
         for ax in axes:
             ax.set_xscale("log")
         axes[0].axhline(100 * sweep["attainment_bar"], color="grey", lw=0.8, ls=":")
-        for line, entry in zip(axes[0].get_lines(), sweep["policies"].values(), strict=False):
+        colors = {line.get_label(): line.get_color() for line in axes[0].get_lines()}
+        for policy, entry in sweep["policies"].items():
             if entry["capacity_bound"] == "interpolated":
-                axes[0].axvline(entry["capacity_rps"], color=line.get_color(), lw=0.8, ls="--")
+                axes[0].axvline(entry["capacity_rps"], color=colors[policy], lw=0.8, ls="--")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     path = out_dir / "slo_mix.png"

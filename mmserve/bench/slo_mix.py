@@ -56,10 +56,10 @@ class MixConfig:
     policies: tuple[str, ...] = POLICIES
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    step_time_model: str | None = None  # `mmserve bench profile` JSON for the slo policy
+    step_time_model: str | None = None  # `mmserve bench profile` JSON: a warm start for every policy
     max_step_ms: float | None = 250.0  # every policy's step-time target while decodes run (None: fixed budgets)
     admission_control: str = "off"  # the slo policy's: "reject" answers 429 to a chat it predicts late
-    step_time_headroom: float = 0.1  # the slo policy plans steps to (1 - this) x the TBT target
+    step_time_headroom: float = 0.1  # steps are planned to (1 - this) x their time target
     tbt_slack_ms: float = 250.0  # the slo policy's lend of a stream's lead on its TBT pace
     batch_min_share: float = 0.1  # the slo policy's share of each step kept for batch work
     seed: int = 0
@@ -69,7 +69,7 @@ class MixConfig:
         return dict(
             scheduler_policy=policy, max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, interactive_ttft_ms=self.ttft_ms, interactive_tbt_ms=self.tbt_ms,
-            step_time_model=self.step_time_model if policy == "slo" else None, max_step_ms=self.max_step_ms,
+            step_time_model=self.step_time_model, max_step_ms=self.max_step_ms,
             step_time_headroom=self.step_time_headroom, tbt_slack_ms=self.tbt_slack_ms,
             batch_min_share=self.batch_min_share, admission_control=self.admission_control,
         )  # fmt: skip
@@ -209,6 +209,7 @@ async def run_phase(
 def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: float, cfg: MixConfig) -> dict:
     """Per class figures of one (policy, load) phase."""
     out: dict[str, Any] = {"duration_s": duration_s}
+    rate_s = max(duration_s, 1e-9)  # a phase with no request at all lasts 0 s
     for name in (INTERACTIVE, BATCH):
         timings = [t for r, t in pairs if r.service_class == name]
         ok = [t for t in timings if t.success]
@@ -221,11 +222,11 @@ def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: flo
             # vLLM's goodput rule: TBT is judged on the request's TPOT (one token: 0).
             good = sum(meets_slos(t, {"ttft": cfg.ttft_ms, "tpot": cfg.tbt_ms}) for t in timings)
             m["slo_attainment"] = good / len(timings) if timings else None
-            m["goodput_rps"] = good / duration_s
+            m["goodput_rps"] = good / rate_s
         else:
             # Batch work is served when it is done: its rate is what it moved over the phase.
-            m["throughput_tok_s"] = m["tokens"] / duration_s
-            m["output_throughput_tok_s"] = m["output_tokens"] / duration_s
+            m["throughput_tok_s"] = m["tokens"] / rate_s
+            m["output_throughput_tok_s"] = m["output_tokens"] / rate_s
         out[name] = m
     return out
 
@@ -538,7 +539,7 @@ def format_sweep(sweep: dict) -> str:
     """The capacity table of a `--sweep`: one row per policy."""
     bar = 100 * sweep["attainment_bar"]
     rows = [
-        f"\ncapacity at {bar:.0f}% chat SLO attainment (chat rates x{sweep['factor']:g} from {sweep['loads'][0]:g}):\n",
+        f"\ncapacity at {bar:.0f}% chat SLO attainment (chat rates {', '.join(f'{x:g}' for x in sweep['loads'])}):\n",
         "| policy | capacity (chats/s) | vs fcfs | goodput vs fcfs, min over loads | batch tok/s vs fcfs at capacity |",
         "|---|---|---|---|---|",
     ]

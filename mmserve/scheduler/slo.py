@@ -70,8 +70,9 @@ class SloPlanner:
          `batch_min_share` of the tokens and of the predicted time to batch work when there is some;
       3. batch decodes that may skip, then batch prefills (earliest virtual deadline, then arrival).
     Optional grants are cut so the step's predicted time stays within the tightest TBT target among
-    the running interactive decodes, less `step_time_headroom` (no such decode: only the token budget
-    limits the step).
+    the running interactive decodes and max_step_ms (`Scheduler.step_time_limit`: less the headroom,
+    over the error factor); with only batch decodes, within max_step_ms; with no decode, only the token
+    budget limits the step.
 
     Memory: victims are ranked batch prefill > batch decode > late chat prefill > chat prefill with
     the most slack > chat decode; a request may evict only its own class or lower, and a waiting one
@@ -93,7 +94,7 @@ class SloPlanner:
         self._evicted_for_growth = False
         self._late: set[str] = set()
         self._pace_s = math.inf  # the longest step that keeps every interactive stream on its TBT pace
-        self.last_time_limit: float = math.inf  # the latest step's planned seconds (TBT less headroom)
+        self.last_time_limit: float = math.inf  # the latest step's planned seconds (see step_time_limit)
 
     # -- targets -----------------------------------------------------------------------------------
     def effective_slo(self, request: Request) -> SLO:
