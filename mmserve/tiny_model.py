@@ -404,11 +404,25 @@ def _spread_weights(model: PreTrainedModel, p: Preset, never: list[int]) -> None
     for name, param in model.named_parameters():  # fixed order, so the same seed gives the same bytes
         if param.ndim == 1:  # transformers inits these to 0 / 1, which would hide a bias or gain never loaded
             param.copy_(torch.randn_like(param) * 0.1 + (0.0 if name.endswith("bias") else 1.0))
-    model.get_output_embeddings().weight[never] = 0.0  # the top logit of thousands with std 4 is ~ +13
-    # Normed hidden entries are ~1, so logit std ~ gain * std(lm_head) * sqrt(hidden). Scale the final norm's
-    # gain rather than lm_head: with tied weights that would grow the input embeddings too (greedy then
-    # just repeats the last token, since the residual stream is mostly that token's embedding).
-    lm_head_std = model.get_output_embeddings().weight.std()
+    _zero_rows_and_spread_logits(model, p, never, std_of_live_rows=False)
+
+
+@torch.no_grad()
+def _zero_rows_and_spread_logits(model: PreTrainedModel, p: Preset, never: list[int], std_of_live_rows: bool) -> None:
+    """Zero lm_head's rows `never` (the top logit of thousands with std 4 is ~ +13, so they never win), then set
+    the final norm's gain so logits have about `p.logit_std`. Normed hidden entries are ~1, so logit std ~ gain *
+    std(lm_head) * sqrt(hidden). The gain is scaled rather than lm_head: with tied weights that would grow the
+    input embeddings too (greedy then just repeats the last token, since the residual stream is mostly that
+    token's embedding). `std_of_live_rows`: measure lm_head's std over the rows left (a hub-size vocabulary is
+    mostly zeroed padding); the small presets measure all rows, which their bytes were made with."""
+    lm_head = model.get_output_embeddings().weight  # [vocab_size, hidden]
+    lm_head[never] = 0.0
+    if std_of_live_rows:
+        live = torch.ones(lm_head.shape[0], dtype=torch.bool)
+        live[never] = False
+        lm_head_std = lm_head[live].float().std()
+    else:
+        lm_head_std = lm_head.std()
     model.get_decoder().norm.weight.mul_(p.logit_std / (p.hidden**0.5 * lm_head_std))
 
 
@@ -453,13 +467,7 @@ def _random_model_on_meta(
 
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:  # normal_ releases the GIL
         list(pool.map(fill, range(len(chunks))))
-    lm_head = model.get_output_embeddings().weight  # [vocab_size, hidden]
-    live = torch.ones(lm_head.shape[0], dtype=torch.bool)
-    live[never] = False
-    lm_head[~live] = 0.0
-    # As `_spread_weights`, but the std of the live rows only: most of a hub-size vocabulary is zeroed padding.
-    lm_head_std = lm_head[live].float().std()
-    model.get_decoder().norm.weight.mul_(p.logit_std / (p.hidden**0.5 * lm_head_std))
+    _zero_rows_and_spread_logits(model, p, never, std_of_live_rows=True)
     return model
 
 

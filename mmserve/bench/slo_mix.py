@@ -253,6 +253,29 @@ class SweepConfig:
         if not 0 < self.attainment <= 1:
             raise ValueError("slo-mix --sweep: the attainment bar must be in (0, 1]")
 
+    def resolved(self, calibration: Calibration | None, duration_s: float) -> tuple[float, float, float, int]:
+        """(first rate, TTFT ms, TBT ms, batch jobs per load): each as given, else derived from `calibration`
+        (which must then be there)."""
+        if calibration is None:
+            given = (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)
+            assert None not in given, "a SweepConfig with a field left to calibrate needs a Calibration"
+            return given  # type: ignore[return-value]
+        ttft_ms, tbt_ms = calibration.targets()
+        return (
+            calibration.start_load() if self.start_load is None else self.start_load,
+            ttft_ms if self.ttft_ms is None else self.ttft_ms,
+            tbt_ms if self.tbt_ms is None else self.tbt_ms,
+            calibration.num_batch(duration_s) if self.num_batch is None else self.num_batch,
+        )
+
+    def needs_calibration(self) -> bool:
+        return None in (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)
+
+
+def meets_bar(attainment: float | None, bar: float) -> bool:
+    """Whether a phase's chat attainment reaches `bar`; None (no chat arrived) misses nothing."""
+    return (1.0 if attainment is None else attainment) >= bar
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -358,16 +381,10 @@ def bench_slo_mix(
     calibration: Calibration | None = None
     start = cfg.loads[0]
     if sweep is not None:
-        if None in (sweep.start_load, sweep.ttft_ms, sweep.tbt_ms, sweep.num_batch):
+        if sweep.needs_calibration():
             calibration = calibrate(model, cfg, tokenizer, progress)
-            ttft_ms, tbt_ms = calibration.targets()
-            cfg = replace(
-                cfg, ttft_ms=sweep.ttft_ms or ttft_ms, tbt_ms=sweep.tbt_ms or tbt_ms,
-                num_batch=sweep.num_batch or calibration.num_batch(cfg.duration_s),
-            )  # fmt: skip
-        else:
-            cfg = replace(cfg, ttft_ms=sweep.ttft_ms, tbt_ms=sweep.tbt_ms, num_batch=sweep.num_batch)
-        start = sweep.start_load or calibration.start_load()  # type: ignore[union-attr]
+        start, ttft_ms, tbt_ms, num_batch = sweep.resolved(calibration, cfg.duration_s)
+        cfg = replace(cfg, ttft_ms=ttft_ms, tbt_ms=tbt_ms, num_batch=num_batch)
         if progress:
             print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT {cfg.tbt_ms:g} ms, "
                   f"{cfg.num_batch} batch jobs per load", flush=True)  # fmt: skip
@@ -381,15 +398,17 @@ def bench_slo_mix(
         met: list[bool] = []
         for i, load in enumerate(load_ladder(cfg, sweep, start, met)):
             requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
-            phases[f"{load:g}"] = _describe(requests)
+            key = f"{load:g}"
+            phases[key] = _describe(requests)
             for policy, server in servers.items():
                 pairs, duration = asyncio.run(run_phase(server.url.rstrip("/"), requests))
-                m = results[policy][f"{load:g}"] = phase_metrics(pairs, duration, cfg)
+                m = results[policy][key] = phase_metrics(pairs, duration, cfg)
                 m["errors"] = sorted({t.error for _, t in pairs if t.error})[:5]
                 if progress:
-                    print(f"slo-mix: {policy} @ {load:g} chats/s: {_line(m)}", flush=True)
-            attained = (by_load[f"{load:g}"][INTERACTIVE]["slo_attainment"] for by_load in results.values())
-            met.append(sweep is not None and any((1.0 if a is None else a) >= sweep.attainment for a in attained))
+                    print(f"slo-mix: {policy} @ {key} chats/s: {_line(m)}", flush=True)
+            met.append(sweep is not None and any(
+                meets_bar(by_load[key][INTERACTIVE]["slo_attainment"], sweep.attainment) for by_load in results.values()
+            ))  # fmt: skip
     finally:
         for server in servers.values():
             server.close()
@@ -417,7 +436,7 @@ def capacity_at(loads: list[float], attainments: list[float | None], bar: float)
     prev: tuple[float, float] | None = None
     for load, attainment in zip(loads, attainments, strict=True):
         a = 1.0 if attainment is None else attainment  # no chats arrived: none missed
-        if a < bar:
+        if not meets_bar(a, bar):
             if prev is None:
                 return load, "below"
             lo, a_lo = prev
@@ -439,7 +458,7 @@ def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calib
     for policy, by_load in results.items():
         attain = [by_load[x][INTERACTIVE]["slo_attainment"] for x in loads]
         rate, bound = capacity_at([float(x) for x in loads], attain, sweep.attainment)
-        met = [x for x, a in zip(loads, attain, strict=True) if (1.0 if a is None else a) >= sweep.attainment]
+        met = [x for x, a in zip(loads, attain, strict=True) if meets_bar(a, sweep.attainment)]
         entry: dict[str, Any] = {"capacity_rps": rate, "capacity_bound": bound,
                                  "capacity_load": float(met[-1]) if met else None}  # fmt: skip
         if fcfs is not None:
