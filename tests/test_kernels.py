@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.kernels import cpu_attention, reference
+from mmserve.kernels import cpu_attention, fp8, reference
 
 C_KERNEL = cpu_attention.load() is not None
 IMPLEMENTATIONS = {
@@ -220,3 +220,74 @@ def test_linear_cpu_transposed_product_matches_f_linear(rows: int, bias: bool) -
     out = layer(x)
     assert out.shape == (rows, 160)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+# -- FP8 KV cache ---------------------------------------------------------------------------------------------
+
+
+def _fp8_batch(
+    dtype: torch.dtype, kv_scales: torch.Tensor, head_dim: int = 64, block_size: int = 16
+) -> tuple[torch.Tensor, tuple, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An FP8 cache written by store_kv_cache for decodes and chunks over shuffled blocks; returns the cache,
+    the attention arguments after the cache, and each sequence's K/V as the cache holds them (quantized,
+    decoded, scaled), which is what attention must read."""
+    torch.manual_seed(3)
+    num_heads, num_kv_heads, num_blocks = 8, kv_scales.shape[1], 128
+    seqs = [(0, 1), (37, 1), (300, 1), (5, 12), (0, 20), (16, 16)]  # (cached, new)
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    free = torch.randperm(num_blocks).tolist()
+    tables, held, queries, loc, lens = [], [], [], [0], []
+    for cached, new in seqs:
+        seq_len = cached + new
+        blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)])
+        # per-head magnitudes far apart, as real K/V are: one scale per head matters
+        k = torch.randn(seq_len, num_kv_heads, head_dim) * kv_scales[0][:, None] * 3
+        v = torch.randn(seq_len, num_kv_heads, head_dim) * kv_scales[1][:, None] * 3
+        reference.store_kv_cache(k, v, kv_cache, slots, kv_scales)
+        held.append(tuple(fp8.dequantize(fp8.quantize(t, kv_scales[i], dtype), kv_scales[i], torch.float32)
+                          for i, t in enumerate((k, v))))  # fmt: skip
+        tables.append(blocks)
+        queries.append(torch.randn(new, num_heads, head_dim))
+        loc.append(loc[-1] + new)
+        lens.append(seq_len)
+    width = max(map(len, tables))
+    table = torch.tensor([b + [0] * (width - len(b)) for b in tables])
+    return kv_cache, (torch.cat(queries), kv_cache, table, loc, lens, head_dim**-0.5, kv_scales), held
+
+
+@pytest.mark.parametrize("paged_attention", list(IMPLEMENTATIONS.values()), ids=list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_cache_attention_reads_what_was_stored(paged_attention: Callable[..., torch.Tensor], dtype: torch.dtype) -> None:
+    """Over an FP8 cache with per-head scales, attention equals dense attention over the K/V the cache
+    holds (decoded and scaled) to fp32 rounding, for decodes and chunks (heads' scales 16-32x apart: a
+    mix-up of heads or of K and V scales shows)."""
+    kv_scales = torch.tensor([[0.5, 4.0], [0.25, 8.0]])
+    kv_cache, args, held = _fp8_batch(dtype, kv_scales)
+    assert kv_cache.dtype == dtype and kv_cache.float().isfinite().all()
+    out = paged_attention(*args)
+    query, loc, scale = args[0], args[3], args[5]
+    for i, (k, v) in enumerate(held):
+        expected = dense_attention(query[loc[i] : loc[i + 1]], k, v, scale)
+        torch.testing.assert_close(out[loc[i] : loc[i + 1]], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_cache_holds_k_and_v_divided_by_their_head_scale() -> None:
+    kv_cache = torch.zeros(2, 2, 2, 2, 4, dtype=torch.float8_e4m3fn)
+    key = torch.tensor([1.0, 2.0, 3.0, 1000.0]).expand(1, 2, 4)
+    value = torch.tensor([-1.0, 0.5, 0.0, -1000.0]).expand(1, 2, 4)
+    scales = torch.tensor([[1.0, 2.0], [0.5, 1.0]])
+    reference.store_kv_cache(key, value, kv_cache, torch.tensor([3]), scales)
+    assert kv_cache[0, 1, 1].float().tolist() == [[1.0, 2.0, 3.0, 448.0], [0.5, 1.0, 1.5, 448.0]]  # saturated
+    assert kv_cache[1, 1, 1].float().tolist() == [[-2.0, 1.0, 0.0, -448.0], [-1.0, 0.5, 0.0, -448.0]]
+    assert kv_cache.float()[:, :, 0].abs().sum() == 0 and kv_cache.float()[:, 0].abs().sum() == 0
+    e5m2 = fp8.quantize(torch.full((1, 1, 2), 1e6), torch.ones(1), torch.float8_e5m2)
+    assert e5m2.float().tolist() == [[[57344.0, 57344.0]]]  # not inf
+
+
+@pytest.mark.parametrize("dtype", fp8.FP8_DTYPES, ids=["e4m3", "e5m2"])
+def test_fp8_byte_table_decodes_every_code(dtype: torch.dtype) -> None:
+    table = fp8.byte_table(dtype)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    torch.testing.assert_close(table, codes.float(), equal_nan=True)
+    assert fp8.KV_CACHE_DTYPES["fp8"] is torch.float8_e4m3fn and fp8.kv_cache_dtype_name(dtype).startswith("fp8_")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mmserve.kernels import reference
+from mmserve.kernels import fp8, reference
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,11 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LDFLAGS = ("-shared", "-fopenmp")
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# (query, kv_cache, block_tables, table stride, seq_lens, rows, out, begin, end, num_blocks, block_size,
-#  num_heads, num_kv_heads, head_dim, scale, num_threads)
-_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64]  # fmt: skip
+# (query, kv_cache, byte_table, kv_scales, block_tables, table stride, seq_lens, rows, out, begin, end,
+#  num_blocks, block_size, num_heads, num_kv_heads, head_dim, scale, num_threads)
+_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64]  # fmt: skip
+# FP8 cache dtype -> [256] fp32 value of each byte, made once
+_byte_tables: dict[torch.dtype, torch.Tensor] = {}
 
 _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None
@@ -116,7 +118,8 @@ def _compile(compiler: str, library: Path) -> None:
 def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and query.dtype == kv_cache.dtype == torch.float32
+        and query.dtype == torch.float32
+        and (kv_cache.dtype == torch.float32 or fp8.is_fp8(kv_cache.dtype))
         and kv_cache.is_contiguous()
         and query.shape[1] % kv_cache.shape[3] == 0
         and query.shape[1] <= 64  # MAX_HEADS in the C source
@@ -130,25 +133,37 @@ def paged_attention(
     query_start_loc: list[int],
     seq_lens: list[int],
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """reference.paged_attention's contract. Decodes run in the C kernel on torch's intra-op thread count;
-    prefill chunks and unsupported inputs (not fp32 on the CPU) take the reference."""
+    """reference.paged_attention's contract. Decodes run in the C kernel on torch's intra-op thread count
+    (an FP8 cache decoded through its byte table); prefill chunks and unsupported inputs (queries not fp32
+    on the CPU) take the reference."""
     kernel = load()
     decodes = reference.decode_seqs(query_start_loc)
     if kernel is None or not decodes or not supports(query, kv_cache):
-        return reference.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+        args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales)
+        return reference.paged_attention(*args)
     query = query.contiguous()
     out = torch.empty_like(query)
     tables = block_tables[decodes].to(torch.int64).contiguous()  # [num_decodes, max_blocks]
     lens_t = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64)
     rows_t = torch.tensor([query_start_loc[i] for i in decodes], dtype=torch.int64)
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    args = (query.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens_t.data_ptr(),
-            rows_t.data_ptr(), out.data_ptr())  # fmt: skip
+    table, scales = None, None
+    if fp8.is_fp8(kv_cache.dtype):
+        table = _byte_tables.setdefault(kv_cache.dtype, fp8.byte_table(kv_cache.dtype))
+        scales = fp8.unit_scales(num_kv_heads) if kv_scales is None else kv_scales.float().contiguous()
+    args = (query.data_ptr(), kv_cache.data_ptr(), _address(table), _address(scales), tables.data_ptr(),
+            tables.stride(0), lens_t.data_ptr(), rows_t.data_ptr(), out.data_ptr())  # fmt: skip
     shape = (num_blocks, block_size, query.shape[1], num_kv_heads, head_dim, scale)
     code = kernel(*args, 0, len(decodes), *shape, torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"paged_decode_attention failed with code {code}")
     if len(decodes) < len(seq_lens):
-        reference.prefill_attention(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+        args = (out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales)
+        reference.prefill_attention(*args)
     return out
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

@@ -2,6 +2,8 @@
 
 KV cache layout, per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V).
 Token t of a sequence lives in block block_table[t // block_size] at offset t % block_size.
+An FP8 cache (`kernels/fp8.py`) holds K / kv_scales[0] and V / kv_scales[1] per KV head; attention reads
+them back in the query's dtype.
 """
 
 from __future__ import annotations
@@ -9,16 +11,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmserve.kernels import fp8
+
 
 def store_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write new K/V into their slots. key, value: [num_tokens, num_kv_heads, head_dim];
-    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset."""
+    slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; kv_scales: [2, num_kv_heads]
+    fp32, used by an FP8 cache only (None: ones)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    if fp8.is_fp8(kv_cache.dtype):  # torch copies FP8 codes as bytes (no index_copy_ for float8 on the CPU)
+        scales = _scales(kv_scales, kv_cache)
+        flat = flat.view(torch.uint8)
+        key = fp8.quantize(key, scales[0], kv_cache.dtype).view(torch.uint8)
+        value = fp8.quantize(value, scales[1], kv_cache.dtype).view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
+
+
+def _scales(kv_scales: torch.Tensor | None, kv_cache: torch.Tensor) -> torch.Tensor:
+    """[2, num_kv_heads] fp32 on the cache's device."""
+    if kv_scales is None:
+        return fp8.unit_scales(kv_cache.shape[3], kv_cache.device)
+    return kv_scales.to(device=kv_cache.device, dtype=torch.float32)
 
 
 def paged_attention(
@@ -28,6 +49,7 @@ def paged_attention(
     query_start_loc: list[int],
     seq_lens: list[int],
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch over the paged cache (which already holds the new K/V).
 
@@ -35,7 +57,7 @@ def paged_attention(
     query_start_loc[i] : query_start_loc[i + 1]; those are the last tokens of its seq_lens[i]
     context tokens, so a decode has one row and a prefill chunk many.
     block_tables: [num_seqs, max_blocks_per_seq]. Returns [num_tokens, num_heads, head_dim].
-    Decodes are batched in padded calls of similar lengths (see _length_buckets); prefill chunks go
+    kv_scales: [2, num_kv_heads] fp32, read by an FP8 cache only (None: ones). Decodes are batched in padded calls of similar lengths (see _length_buckets); prefill chunks go
     one by one.
     """
     out = torch.empty_like(query)
@@ -45,9 +67,9 @@ def paged_attention(
         rows = torch.tensor([query_start_loc[i] for i in seqs], device=query.device)
         lens = torch.tensor([seq_lens[i] for i in seqs], device=query.device)
         out[rows] = _decode_attention(
-            query[rows], kv_cache, block_tables[seqs], lens, seq_lens[seqs[0]], scale
+            query[rows], kv_cache, block_tables[seqs], lens, seq_lens[seqs[0]], scale, kv_scales
         )
-    prefill_attention(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    prefill_attention(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales)
     return out
 
 
@@ -64,6 +86,7 @@ def prefill_attention(
     query_start_loc: list[int],
     seq_lens: list[int],
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Writes into `out` the rows of every sequence with more than one query row (a prefill chunk),
     one sequence at a time; arguments as paged_attention's."""
@@ -71,7 +94,8 @@ def prefill_attention(
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end - start == 1:
             continue
-        key, value = _gather_kv(kv_cache, block_tables[i], seq_lens[i])  # [seq_len, num_kv_heads, head_dim]
+        # [seq_len, num_kv_heads, head_dim] each, in the query's dtype
+        key, value = _gather_kv(kv_cache, block_tables[i], seq_lens[i], kv_scales, query.dtype)
         num_q, seq_len = end - start, seq_lens[i]
         if num_q == seq_len:  # nothing cached before the chunk: plain causal, SDPA's fast path
             out[start:end] = _causal_sdpa(query[start:end], key, value, scale)
@@ -142,7 +166,11 @@ def _length_buckets(lens: list[int]) -> list[list[int]]:
 
 
 def _gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    kv_scales: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)]
@@ -150,7 +178,17 @@ def _gather_kv(
     # 2x faster on the CPU than one index_select along dim 1 of the [2, ...] cache, and than advanced indexing.
     key = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
     value = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
-    return key, value
+    return _readable(key, value, kv_cache, kv_scales, dtype)
+
+
+def _readable(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered K/V as attention reads them: FP8 codes decoded and scaled into `dtype`, others as stored."""
+    if not fp8.is_fp8(kv_cache.dtype):
+        return key, value
+    scales = _scales(kv_scales, kv_cache)
+    return fp8.dequantize(key, scales[0], dtype), fp8.dequantize(value, scales[1], dtype)
 
 
 def _decode_attention(
@@ -160,6 +198,7 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     max_len: int,
     scale: float,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query row per sequence. query: [num_seqs, num_heads, head_dim].
 
@@ -172,8 +211,9 @@ def _decode_attention(
     blocks = block_tables[:, :num_blocks].reshape(-1)
     padded = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     # [num_seqs, num_kv_heads, max_len, head_dim] each, gathered as in _gather_kv
-    k = kv_cache[0].index_select(0, blocks).view(padded)[:, :max_len].transpose(1, 2)
-    v = kv_cache[1].index_select(0, blocks).view(padded)[:, :max_len].transpose(1, 2)
+    k = kv_cache[0].index_select(0, blocks).view(padded)[:, :max_len]
+    v = kv_cache[1].index_select(0, blocks).view(padded)[:, :max_len]
+    k, v = (t.transpose(1, 2) for t in _readable(k, v, kv_cache, kv_scales, query.dtype))
     mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)

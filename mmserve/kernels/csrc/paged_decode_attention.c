@@ -2,9 +2,11 @@
  * cache blocks (no gather copy). The reference twin is kernels/reference.py::_decode_attention; this file
  * is compiled once per machine by kernels/cpu_attention.py and called through ctypes.
  *
- * Layouts (fp32, contiguous):
- *   query, out:   [num_tokens, num_heads, head_dim]; sequence s owns row rows[s]
- *   kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V)
+ * Layouts (contiguous):
+ *   query, out:   [num_tokens, num_heads, head_dim] fp32; sequence s owns row rows[s]
+ *   kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V): fp32, or one-byte FP8
+ *                 codes when `byte_table` is given ([256] fp32: each byte's value; kernels/fp8.py), in which
+ *                 case K = byte_table[code] * k_scale[kv_head] and V likewise with v_scale.
  *   block_tables: [num_seqs, block_table_stride] int64; seq_lens, rows: [num_seqs] int64
  * Query head h reads KV head h / group (transformers' repeat_kv order). A work item is one sequence's
  * KV heads [kv_first, kv_first + kv_count) and their query heads: one pass over those keys, one over the
@@ -20,25 +22,53 @@
 #define MAX_HEADS 64
 
 typedef struct {
-    const float *k_cache, *v_cache;
+    const float *k_cache, *v_cache;    /* fp32 caches (byte_table == NULL) */
+    const uint8_t *k_codes, *v_codes;  /* FP8 caches (byte_table != NULL) */
+    const float *byte_table, *k_scale, *v_scale;
     int64_t block_size, token_stride, block_stride, group;
     float scale;
 } Shape;
 
+/* Rows [0, n) of one cache block, KV heads [kv_first, kv_first + kv_count), as fp32: the fp32 cache itself
+ * (*stride = token_stride), or the FP8 codes decoded and scaled into buf [n, kv_count, head_dim]. */
+static const float *block_rows(const Shape *sh, const float *cache, const uint8_t *codes, const float *scale,
+                               int64_t block, int64_t n, int64_t kv_first, int64_t kv_count, int64_t head_dim,
+                               float *restrict buf, int64_t *stride) {
+    const int64_t first = block * sh->block_stride + kv_first * head_dim;
+    if (sh->byte_table == NULL) {
+        *stride = sh->token_stride;
+        return cache + first;
+    }
+    const float *restrict table = sh->byte_table;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t h = 0; h < kv_count; h++) {
+            const uint8_t *restrict src = codes + first + j * sh->token_stride + h * head_dim;
+            float *restrict dst = buf + (j * kv_count + h) * head_dim;
+            const float s = scale[kv_first + h];
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = table[src[d]] * s;
+        }
+    *stride = kv_count * head_dim;
+    return buf;
+}
+
 /* One work item: q, o: [heads, head_dim] (heads = kv_count * group, consecutive); scores: [heads, len]
- * scratch. HEAD_DIM is a compile-time constant in the specialised copies so the inner loops unroll. */
+ * scratch; buf: [block_size, kv_count, head_dim] scratch for decoded FP8 rows. HEAD_DIM is a compile-time
+ * constant in the specialised copies so the inner loops unroll. */
 #define DEFINE_ATTEND(NAME, HEAD_DIM)                                                                      \
     static void NAME(const Shape *sh, const int64_t *table, int64_t len, int64_t kv_first, int64_t heads, \
-                     int64_t head_dim, const float *restrict q, float *restrict o, float *restrict scores) { \
-        const int64_t D = (HEAD_DIM), bs = sh->block_size, group = sh->group;                             \
+                     int64_t head_dim, const float *restrict q, float *restrict o, float *restrict scores, \
+                     float *restrict buf) {                                                               \
+        const int64_t D = (HEAD_DIM), bs = sh->block_size, group = sh->group, kv_count = heads / group;   \
+        int64_t stride;                                                                                   \
         (void)head_dim;                                                                                   \
         float row_max[MAX_HEADS], row_sum[MAX_HEADS];                                                     \
         for (int64_t h = 0; h < heads; h++) row_max[h] = -FLT_MAX;                                        \
         for (int64_t start = 0; start < len; start += bs) {                                               \
-            const float *block = sh->k_cache + table[start / bs] * sh->block_stride + kv_first * D;       \
             const int64_t n = len - start < bs ? len - start : bs;                                        \
+            const float *block = block_rows(sh, sh->k_cache, sh->k_codes, sh->k_scale, table[start / bs], n, \
+                                            kv_first, kv_count, D, buf, &stride);                         \
             for (int64_t j = 0; j < n; j++) {                                                             \
-                const float *restrict k = block + j * sh->token_stride;                                   \
+                const float *restrict k = block + j * stride;                                             \
                 for (int64_t h = 0; h < heads; h++) {                                                     \
                     const float *restrict qh = q + h * D, *restrict kh = k + (h / group) * D;             \
                     float dot = 0.0f;                                                                     \
@@ -61,10 +91,11 @@ typedef struct {
         }                                                                                                 \
         for (int64_t i = 0; i < heads * D; i++) o[i] = 0.0f; /* accumulated in place: this item's rows */\
         for (int64_t start = 0; start < len; start += bs) {                                               \
-            const float *block = sh->v_cache + table[start / bs] * sh->block_stride + kv_first * D;       \
             const int64_t n = len - start < bs ? len - start : bs;                                        \
+            const float *block = block_rows(sh, sh->v_cache, sh->v_codes, sh->v_scale, table[start / bs], n, \
+                                            kv_first, kv_count, D, buf, &stride);                         \
             for (int64_t j = 0; j < n; j++) {                                                             \
-                const float *restrict v = block + j * sh->token_stride;                                   \
+                const float *restrict v = block + j * stride;                                             \
                 for (int64_t h = 0; h < heads; h++) {                                                     \
                     const float p = scores[h * len + start + j];                                          \
                     const float *restrict vh = v + (h / group) * D;                                       \
@@ -86,7 +117,8 @@ DEFINE_ATTEND(attend_any, head_dim)
 /* Sequences [seq_begin, seq_end) of the decode batch, work items spread over num_threads OpenMP threads
  * (linked against the runtime torch already loaded, so they are torch's own pool).
  * Returns 0, or 1 for an unsupported shape, 2 when out of memory. */
-int paged_decode_attention(const float *query, const float *kv_cache, const int64_t *block_tables,
+int paged_decode_attention(const float *query, const void *kv_cache, const float *byte_table,
+                           const float *kv_scales, const int64_t *block_tables,
                            int64_t block_table_stride, const int64_t *seq_lens, const int64_t *rows,
                            float *out, int64_t seq_begin, int64_t seq_end, int64_t num_blocks,
                            int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -94,8 +126,12 @@ int paged_decode_attention(const float *query, const float *kv_cache, const int6
     const int64_t group = num_heads / num_kv_heads;
     if (num_heads > MAX_HEADS || group * num_kv_heads != num_heads) return 1;
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
-    const Shape sh = {kv_cache, kv_cache + num_blocks * block_stride, block_size, token_stride, block_stride,
-                      group, scale};
+    /* kv_scales: [2, num_kv_heads] (K then V), read only with a byte table */
+    const float *k_cache = kv_cache, *k_scale = kv_scales;
+    const uint8_t *k_codes = kv_cache;
+    const Shape sh = {k_cache, k_cache + num_blocks * block_stride, k_codes, k_codes + num_blocks * block_stride,
+                      byte_table, k_scale, k_scale == NULL ? NULL : k_scale + num_kv_heads,
+                      block_size, token_stride, block_stride, group, scale};
     const int64_t num_seqs = seq_end - seq_begin;
     if (num_threads < 1) num_threads = 1;
     /* whole sequences when each thread gets at least two, else one KV head per item */
@@ -106,7 +142,9 @@ int paged_decode_attention(const float *query, const float *kv_cache, const int6
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len)); /* [heads, len] */
+        /* [heads, len] scores, then [block_size, kv_count, head_dim] decoded FP8 rows */
+        float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + block_size * kv_count * head_dim));
+        float *buf = scores == NULL ? NULL : scores + heads * max_len;
         if (scores == NULL) failed = 2;
         /* every thread must reach the worksharing loop, even one whose allocation failed */
 #pragma omp for schedule(dynamic, 1)
@@ -118,11 +156,11 @@ int paged_decode_attention(const float *query, const float *kv_cache, const int6
             const float *q = query + first;
             float *o = out + first;
             if (head_dim == 64)
-                attend_64(&sh, table, seq_lens[s], kv_first, heads, head_dim, q, o, scores);
+                attend_64(&sh, table, seq_lens[s], kv_first, heads, head_dim, q, o, scores, buf);
             else if (head_dim == 128)
-                attend_128(&sh, table, seq_lens[s], kv_first, heads, head_dim, q, o, scores);
+                attend_128(&sh, table, seq_lens[s], kv_first, heads, head_dim, q, o, scores, buf);
             else
-                attend_any(&sh, table, seq_lens[s], kv_first, heads, head_dim, q, o, scores);
+                attend_any(&sh, table, seq_lens[s], kv_first, heads, head_dim, q, o, scores, buf);
         }
         free(scores);
     }
