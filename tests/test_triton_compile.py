@@ -112,6 +112,23 @@ def _cases() -> list[dict]:
                         dtype=dtype,
                     )
                 )
+    # An FP8 KV cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`): its own kernel variants (codes decoded in the
+    # kernel, the store's integer encoder), at the hub models' shapes on one rank: e4m3 on two of them,
+    # e5m2 (another decode and encode, the same tiles) on the third.
+    for name, head_dim, heads, kv_heads in QWEN_MODELS:
+        for dtype in DTYPES:
+            for kv_dtype in ("float8_e5m2",) if name == "qwen2-vl-7b" else ("float8_e4m3fn",):
+                short = "e4m3" if kv_dtype == "float8_e4m3fn" else "e5m2"
+                cases.append(
+                    dict(
+                        id=f"{name}-tp1-{'bf16' if dtype == 'bfloat16' else 'fp32'}-kv-{short}",
+                        head_dim=head_dim,
+                        num_heads=heads,
+                        num_kv_heads=kv_heads,
+                        dtype=dtype,
+                        kv_cache_dtype=kv_dtype,
+                    )
+                )
     return cases
 
 
@@ -155,11 +172,13 @@ def _record_launches(case: dict, num_sms: int) -> list[tuple[str, object, tuple,
             q = torch.empty(num_tokens, heads, hd, dtype=dtype)
             k = torch.empty(num_tokens, kv_heads, hd, dtype=dtype)
             v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)[2].view(-1, kv_heads, hd)
-            kv_cache = torch.empty(2, 4, BLOCK_SIZE, kv_heads, hd, dtype=dtype)  # only its strides matter
+            kv_dtype = getattr(torch, case.get("kv_cache_dtype", case["dtype"]))
+            kv_cache = torch.empty(2, 4, BLOCK_SIZE, kv_heads, hd, dtype=kv_dtype)  # only its strides matter
+            kv_scales = torch.ones(2, kv_heads)
             block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int64)
             slot_mapping = torch.zeros(num_tokens, dtype=torch.int64)
-            tc.store_kv_cache(k, v, kv_cache, slot_mapping)
-            ta.paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, hd**-0.5)
+            tc.store_kv_cache(k, v, kv_cache, slot_mapping, kv_scales)
+            ta.paged_attention(q, kv_cache, block_tables, query_start_loc, seq_lens, hd**-0.5, kv_scales)
             out += [(batch, *launch) for launch in launches]
             launches.clear()
     finally:

@@ -127,6 +127,55 @@ def test_store_kv_cache_casts_to_the_cache_dtype() -> None:
     assert torch.equal(batch.kv_cache, expected)
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+
+
+@kernels_here
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=FP8_IDS)
+def test_encode_fp8_is_torchs_cast_bit_for_bit(fp8_dtype: torch.dtype) -> None:
+    """Every code's value, the midpoints between neighbours (ties to even, both signs), subnormals, zero,
+    values past the largest finite one (saturated) and random ones: the store kernel writes what the
+    reference's cast writes."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).float()
+    finite = codes[codes.isfinite()].unique()  # sorted
+    mids = (finite[1:] + finite[:-1]) / 2
+    limit = torch.finfo(fp8_dtype).max
+    extra = torch.tensor([0.0, limit * 1.01, limit * 1.07, 1e30, 1e-30, -1e-30])
+    values = torch.cat([finite, mids, mids * (1 + 2**-20), mids * (1 - 2**-20), extra, torch.randn(512) * 50])
+    num = -(-values.numel() // 4) * 4
+    values = torch.cat([values, torch.zeros(num - values.numel())]).view(-1, 1, 4)  # [tokens, 1 head, 4]
+    scales = torch.ones(2, 1)
+    expected = torch.zeros(2, num // 4, 1, 1, 4, dtype=fp8_dtype)  # one token per block
+    got = expected.clone()
+    slots = torch.arange(num // 4)
+    reference.store_kv_cache(values, -values, expected, slots, scales)
+    triton_cache.store_kv_cache(values, -values, got, slots, scales)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@kernels_here
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, None), (torch.float16, None), (torch.float32, 3)])
+def test_fp8_cache_store_and_attention_match_reference(
+    fp8_dtype: torch.dtype, dtype: torch.dtype, num_splits: int | None
+) -> None:
+    """An FP8 cache with per-head scales: the Triton store writes the reference's codes, and attention over
+    them (decodes and chunks, single pass and split) equals the reference's."""
+    batch = make_batch(RAGGED, 4, 2, 32, 16, dtype, seed=2)
+    kv_scales = torch.tensor([[0.5, 2.0], [0.125, 4.0]], device=DEVICE)
+    # The context before this step as codes: values of randn's size once scaled back, K and V of each head.
+    kv_cache = (batch.kv_cache.float() / kv_scales[:, None, None, :, None]).to(fp8_dtype)
+    expected = kv_cache.clone()
+    reference.store_kv_cache(batch.key, batch.value, expected, batch.slot_mapping, kv_scales)
+    triton_cache.store_kv_cache(batch.key, batch.value, kv_cache, batch.slot_mapping, kv_scales)
+    assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
+    args = (batch.query, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, 32**-0.5)
+    out = triton_attention.paged_attention_with(*args, kv_scales=kv_scales, num_splits=num_splits, block_n=16)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, reference.paged_attention(*args, kv_scales), atol=tol, rtol=tol)
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits, block_n, seqs)
 CASES = [
     (4, 2, 16, 16, torch.float32, None, None, RAGGED),  # GQA

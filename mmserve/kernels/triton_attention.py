@@ -1,6 +1,8 @@
 """Triton twin of `reference.paged_attention`: causal attention of a varlen batch mixing prefill chunks and
 decodes over the paged KV cache, in one launch (GQA/MQA), plus a split-KV (flash-decoding) path with a
-reduce launch for long contexts at small batch. Knows the cache layout and the batch lists, not the model."""
+reduce launch for long contexts at small batch. An FP8 cache's codes are decoded in the kernel
+(`decode_fp8`, exact, with integer ops that compile for every arch) and its per-head scales folded into the
+scores (K) and the output (V). Knows the cache layout and the batch lists, not the model."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from mmserve.kernels import fp8
 
 # Query-tile rows (tokens x heads of a KV group): the smallest `tl.dot` M for pure-decode launches, a larger
 # one when any sequence brings a chunk (fp32 on a GPU keeps the small one: its exact dots spill otherwise).
@@ -26,6 +30,18 @@ _MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def decode_fp8(codes, E4M3: tl.constexpr):
+    """uint8 codes of e4m3fn (E4M3) or e5m2 -> their fp32 values, through fp16's bit layout: e5m2 is the
+    top byte of an fp16; e4m3's exponent and mantissa shifted into fp16's read 2^-8 of the value (subnormals
+    included), which the product by 256 restores exactly."""
+    b = codes.to(tl.int32)
+    if E4M3:
+        half = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return (b << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
     out_ptr,  # SPLIT: [num_tokens, num_heads, num_splits, head_dim] fp32 partial sums; else [num_tokens, num_heads, head_dim]
@@ -34,6 +50,7 @@ def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], any strides
     k_cache_ptr,  # kv_cache[0]: [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # kv_cache[1]: same strides as k_cache
+    kv_scales_ptr,  # KV_FP8 only: [2, num_kv_heads] fp32 (K, V)
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int64
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -61,6 +78,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     SPLIT: tl.constexpr,  # False: write the normalized output; True: write partials for the reduce
     DOT_FP32: tl.constexpr,  # fp32 operands in exact ("ieee", not tf32) dots; see _exact_fp32
+    KV_FP8: tl.constexpr,  # 0: the cache holds the compute dtype; 1: e4m3fn codes; 2: e5m2 codes (uint8 views)
 ):
     # Grid: (num_work, num_kv_heads, num_splits). A program owns BLOCK_Q query tokens of one sequence and
     # all GROUP query heads sharing one KV head, so each K/V tile is loaded once for the whole group.
@@ -87,7 +105,16 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q = q.to(tl.float32) if DOT_FP32 else q.to(k_cache_ptr.dtype.element_ty)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    elif not KV_FP8:  # an FP8 cache's values are decoded into the query's own dtype
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    # The scales of an FP8 cache: K's folded into the scores, V's into the output (one KV head a program).
+    qk_scale = scale_log2
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
 
     # Keys this tile needs: up to its last row's position. A split takes one BLOCK_N-aligned share.
     kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_Q)
@@ -115,8 +142,10 @@ def _paged_attention_kernel(
             mask=n_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(q, k)
-        s = s * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+        if KV_FP8:
+            k = decode_fp8(k, KV_FP8 == 1)
+        s = tl.dot(q, k.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(q, k.to(q.dtype))
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -128,11 +157,14 @@ def _paged_attention_kernel(
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(p.to(v.dtype), v)
+        if KV_FP8:
+            v = decode_fp8(v, KV_FP8 == 1)
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee") if DOT_FP32 else tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv  # [BLOCK_M, BLOCK_D] fp32
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
+    acc = acc * v_scale
     if SPLIT:
         # Partials of row (token, head) at split s; the reduce kernel rescales them by exp2(m_s - max_s m).
         row = token * (tl.num_programs(1) * GROUP) + head  # [BLOCK_M] = token * num_heads + head
@@ -193,6 +225,9 @@ def _reduce_splits_kernel(
     )
 
 
+# The KV_FP8 constexpr of each FP8 cache dtype (its kernels read uint8 views of the codes).
+_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
 # Under TRITON_INTERPRET=1 (read when a kernel is decorated) the kernels run on CPU tensors in the interpreter.
 INTERPRETED: bool = not isinstance(_paged_attention_kernel, JITFunction)
 # Triton's own library (tl.zeros, tl.max, ...) is decorated at the first `import triton`; the kernels run only
@@ -236,11 +271,14 @@ def choose_num_splits(num_programs: int, max_kv_len: int, num_sms: int | None) -
     return max(1, min(-(-target // num_programs), max_kv_len // _MIN_SPLIT_KV, _MAX_SPLITS))
 
 
-def tile_config(block_m: int, block_d: int, exact_fp32: bool) -> TileConfig:
+def tile_config(block_m: int, block_d: int, exact_fp32: bool, kv_fp8: bool = False) -> TileConfig:
     """Per-tile launch shape. Chosen from sm_90 register/shared-memory reports (no spills, several CTAs
-    per SM), not from timings: the bench is where to tune these."""
+    per SM), not from timings: the bench is where to tune these. FP8 codes decoded into fp32 tiles for
+    exact dots spill when pipelined (sm_80 and sm_90, head_dim 128): a smaller key step, one stage."""
     if INTERPRETED:
         return TileConfig(64, 4, 1)  # the interpreter pays per op: fewest, largest steps
+    if exact_fp32 and kv_fp8:
+        return TileConfig(32, 8, 1)
     if exact_fp32:
         return TileConfig(64, 8, 3) if block_d <= 128 else TileConfig(32, 8, 2)
     if block_m <= _DECODE_BLOCK_M:
@@ -312,15 +350,18 @@ def paged_attention(
     query_start_loc: list[int],
     seq_lens: list[int],
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch over the paged cache (which already holds the new K/V).
 
     query: [num_tokens, num_heads, head_dim] (any strides), sequence i owning rows
     query_start_loc[i] : query_start_loc[i + 1], the last of its seq_lens[i] context tokens.
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int64.
+    kv_scales: [2, num_kv_heads] fp32, read by an FP8 cache only (None: ones).
     Returns [num_tokens, num_heads, head_dim] in query's dtype.
     """
-    return paged_attention_with(query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    return paged_attention_with(*args, kv_scales=kv_scales)
 
 
 def paged_attention_with(
@@ -331,6 +372,7 @@ def paged_attention_with(
     seq_lens: list[int],
     scale: float,
     *,
+    kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -346,10 +388,16 @@ def paged_attention_with(
         return out
     group = num_heads // num_kv_heads
     plan = launch_plan(query, kv_cache, query_start_loc, seq_lens, num_splits=num_splits)
+    kv_fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
+    if kv_fp8:
+        if kv_scales is None:
+            kv_scales = fp8.unit_scales(num_kv_heads, kv_cache.device)
+        kv_scales = kv_scales.to(device=kv_cache.device, dtype=torch.float32).contiguous()
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_d = max(16, triton.next_power_of_2(head_dim))
     exact = _exact_fp32(query, kv_cache)
-    config = tile_config(plan.block_m, block_d, exact)
+    config = tile_config(plan.block_m, block_d, exact, kv_fp8 > 0)
     split = plan.num_splits > 1
     if split:
         partial = torch.empty(
@@ -366,6 +414,7 @@ def paged_attention_with(
         query,
         k_cache,
         v_cache,
+        kv_scales if kv_fp8 else block_tables,  # an unused pointer without FP8
         block_tables,
         plan.query_start_loc,
         plan.seq_lens,
@@ -386,6 +435,7 @@ def paged_attention_with(
         BLOCK_SIZE=kv_cache.shape[2],
         SPLIT=split,
         DOT_FP32=exact,
+        KV_FP8=kv_fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
