@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mmserve.bench.cli import add_bench_parser, run_bench_command
+from mmserve.config import KV_CACHE_DTYPE_NAMES
 from mmserve.demo.cli import DEMO_COMMANDS, add_demo_parsers, run_demo_command
 from mmserve.slo_flags import add_slo_planner_flags
 
@@ -214,6 +215,27 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--shutdown-timeout-s", type=float, default=10.0, help="SIGTERM: drain this long")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None)
+    serve.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPE_NAMES),
+        help="the KV cache's element type: auto (the compute dtype), fp8 / fp8_e4m3 or fp8_e5m2 (one byte per "
+        "value, scaled per KV head by the checkpoint's k_scale / v_scale, else 1.0): twice the tokens of a bf16 "
+        "cache in the same memory, four times an fp32 one",
+    )
+    serve.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="with an FP8 KV cache: each layer's per-head scales from the first step's K/V (2x headroom over "
+        "their largest magnitude) instead of the checkpoint's or 1.0",
+    )
+    serve.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="bytes for the KV cache (default: 2 GiB on the CPU, 80%% of the free memory on a GPU); "
+        "--num-kv-blocks overrides",
+    )
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
     serve.add_argument("--max-num-seqs", type=int, default=128)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
@@ -348,6 +370,9 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
             max_model_len=args.max_model_len,
             scheduler_policy=args.scheduler_policy,
             enable_prefix_caching=not args.no_prefix_caching,

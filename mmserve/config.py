@@ -9,6 +9,7 @@ from mmserve.request import SLO, ServiceClass
 from mmserve.scheduler.policy import POLICIES
 
 ADMISSION_MODES = ("off", "downgrade", "reject")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # the keys of kernels/fp8.py's KV_CACHE_DTYPES
 DEFAULT_INTERACTIVE_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)  # a person chatting
 DEFAULT_BATCH_SLO = SLO()  # throughput work: no target
 
@@ -195,6 +196,11 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool; ignored when num_kv_blocks is set
+    # The KV cache's element type: "auto" (the compute dtype), "fp8" / "fp8_e4m3" (e4m3fn) or "fp8_e5m2": one
+    # byte per value, scaled per KV head by the checkpoint's k_scale / v_scale (1.0 where it has none).
+    kv_cache_dtype: str = "auto"
+    # FP8 cache: set each layer's scales from the first step's K/V instead (vLLM's calculate_kv_scales).
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"
     max_model_len: int | None = None
@@ -241,6 +247,11 @@ class EngineArgs:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise InvalidRequestError(
                 f"dtype: must be 'float32', 'bfloat16', 'float16' or None, got {self.dtype!r}", param="dtype"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}",
+                param="kv_cache_dtype",
             )
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:

@@ -109,10 +109,10 @@ def create_app(
             "num_gpu_blocks": str(engine.info.num_kv_blocks),
             "num_cpu_blocks": "0",
             "enable_prefix_caching": str(engine.args.enable_prefix_caching),
-            "cache_dtype": "auto",
+            "cache_dtype": engine.args.kv_cache_dtype,
             "prefix_caching_hash_algo": "sha256",
         }
-    metrics = MetricsExporter(engine.stats, model_name, vllm_cache_config)
+    metrics = MetricsExporter(engine.stats, model_name, vllm_cache_config, engine.info)
     engine.stat_loggers.append(metrics)
     state = ServerState(engine, settings, model_name, store, MediaResolver(store, settings), metrics,
                         int(time.time()), ConcurrencyLimiter(settings.max_concurrent_requests_per_key), model_names,

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mmserve.engine.messages import CoreLoopStats, EngineCoreOutputs
+from mmserve.engine.messages import CoreLoopStats, EngineCoreOutputs, EngineInfo
 from mmserve.engine.output_processor import RequestMetrics, RequestOutput
 from mmserve.request import ServiceClass
 from mmserve.scheduler.scheduler import SchedulerStats
@@ -93,6 +93,31 @@ class _StatsCollector(Collector):
             yield counter("engine_core_bytes_out", "Bytes the engine core sent to the front ends.", loop.bytes_out)
 
 
+class _EngineInfoCollector(Collector):
+    """What the engine was started with and the memory it holds: fixed at start, exported at every scrape."""
+
+    def __init__(self, info: EngineInfo, model: str) -> None:
+        self.info, self.model = info, model
+
+    def collect(self) -> Iterator[Metric]:
+        i, labels = self.info, ["model_name"]
+        config = GaugeMetricFamily(P + "engine_config_info", "The engine's compute and KV cache dtypes and "
+                                   "attention backend (value 1).", labels=[*labels, "dtype", "kv_cache_dtype",
+                                   "attention_backend", "block_size"])  # fmt: skip
+        config.add_metric([self.model, i.dtype, i.kv_cache_dtype, i.attention_backend, str(i.block_size)], 1.0)
+        yield config
+        for name, doc, value in (
+            ("kv_cache_bytes", "Bytes of the KV cache pool (per tensor-parallel rank).", i.kv_cache_bytes),
+            ("kv_cache_bytes_per_token", "KV cache bytes one token takes, all layers, K and V (per rank).",
+             i.kv_bytes_per_token),
+            ("kv_cache_tokens", "Tokens the KV cache pool holds.", i.num_kv_tokens),
+            ("weight_bytes", "Bytes of the model weights held (per rank), quantized ones as stored.", i.weight_bytes),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(P + name, doc, labels=labels)
+            g.add_metric([self.model], value)
+            yield g
+
+
 class _VllmNamesCollector(Collector):
     """The scheduler's gauges under vLLM's own names and labels (`model_name`, `engine`), for what reads them:
     the Gateway API Inference Extension's endpoint picker, llm-d's scorers, autoscalers. Same values as the
@@ -131,10 +156,15 @@ class MetricsExporter:
     """One per app. Implements the engine's `StatLogger` protocol.
 
     `vllm_cache_config`: also export the scheduler gauges under vLLM's names, with these labels on
-    `vllm:cache_config_info` (None: mmserve's names only)."""
+    `vllm:cache_config_info` (None: mmserve's names only). `info`: the engine's start-up facts (dtypes, KV
+    bytes per token, weight bytes), exported as gauges."""
 
     def __init__(
-        self, stats: Callable[[], SchedulerStats], model: str, vllm_cache_config: dict[str, str] | None = None
+        self,
+        stats: Callable[[], SchedulerStats],
+        model: str,
+        vllm_cache_config: dict[str, str] | None = None,
+        info: EngineInfo | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model = model
@@ -192,6 +222,8 @@ class MetricsExporter:
         self._scrape.register(_StatsCollector(stats, model, lambda: self._loop))
         if vllm_cache_config is not None:
             self._scrape.register(_VllmNamesCollector(stats, model, vllm_cache_config))
+        if info is not None:
+            self._scrape.register(_EngineInfoCollector(info, model))
         self._last_token_time: dict[str, float] = {}  # request id -> time of its previous update
         self._lock = threading.Lock()
 

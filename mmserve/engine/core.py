@@ -28,6 +28,7 @@ from mmserve.engine.kv_event_publisher import KVEventPublisher
 from mmserve.engine.messages import EngineCoreOutputs, EngineInfo, StepRecord
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.structured_output import StructuredOutputManager
+from mmserve.kernels.fp8 import KV_CACHE_DTYPES, kv_cache_dtype_name
 from mmserve.models.config import DecoderConfig
 from mmserve.models.parallel import check_tensor_parallel
 from mmserve.request import Request, RequestStatus
@@ -57,6 +58,7 @@ class EngineCore:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = DTYPES[dtype_name]
+        self.kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or self.dtype
         self.tensor_parallel_size = args.tensor_parallel_size
         check_tensor_parallel(self.model_config, self.tensor_parallel_size)  # before any rank starts
         num_blocks = self._num_kv_blocks()
@@ -90,8 +92,9 @@ class EngineCore:
         args = self.args
         if self.tensor_parallel_size == 1:
             runner = ModelRunner(
-                args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config
-            )
+                args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config,
+                kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+            )  # fmt: skip
             return InProcessExecutor(runner)
         from mmserve.engine.multirank_executor import MultiRankExecutor
 
@@ -110,6 +113,8 @@ class EngineCore:
             port=args.master_port,
             num_local_ranks=args.tensor_parallel_local_ranks,
             mm_encoder_tp_mode=args.mm_encoder_tp_mode,
+            kv_cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
         )
 
     @property
@@ -118,7 +123,7 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         block_bytes = ModelRunner.kv_bytes_per_block(
-            self.model_config, self.args.block_size, self.dtype, self.tensor_parallel_size
+            self.model_config, self.args.block_size, self.kv_cache_dtype, self.tensor_parallel_size
         )
         return EngineInfo(
             model=str(self.args.model),
@@ -130,6 +135,7 @@ class EngineCore:
             block_size=self.args.block_size,
             num_kv_blocks=self.cache_config.num_blocks,
             kv_cache_bytes=block_bytes * self.cache_config.num_blocks,
+            kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype),
             tensor_parallel_size=self.tensor_parallel_size,
             weight_bytes=self.executor.weight_bytes(),
         )
@@ -324,7 +330,7 @@ class EngineCore:
         if args.num_kv_blocks is not None:
             return args.num_kv_blocks
         block_bytes = ModelRunner.kv_bytes_per_block(
-            self.model_config, args.block_size, self.dtype, self.tensor_parallel_size
+            self.model_config, args.block_size, self.kv_cache_dtype, self.tensor_parallel_size
         )
         memory = args.kv_cache_memory
         if memory is None:

@@ -15,7 +15,7 @@ from mmserve.config import EngineArgs
 from mmserve.encoders.media import MediaLimits
 from mmserve.engine.faults import EngineFatalError, RequestFailedError
 from mmserve.engine.loader import load_engine
-from mmserve.engine.messages import StepRecord
+from mmserve.engine.messages import EngineInfo, StepRecord
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, PromptType
 from mmserve.errors import EngineDeadError, InvalidRequestError
@@ -120,6 +120,10 @@ class LLM:
 
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
+
+    def info(self) -> EngineInfo:
+        """What the engine runs with: dtype, KV cache dtype, blocks, bytes per KV token, weight bytes."""
+        return self.engine.info()
 
     def _run(self, requests: list[tuple[Request, str | None]], use_tqdm: bool) -> list[RequestOutput]:
         if self._dead is not None:

@@ -74,6 +74,12 @@ class EngineInfo:
     kv_cache_bytes: int  # on each rank
     tensor_parallel_size: int = 1
     weight_bytes: int = 0  # on each rank
+    kv_cache_dtype: str = "float32"  # fp8_e4m3, fp8_e5m2, or the compute dtype's name
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV cache bytes one token takes on each rank (all layers, K and V)."""
+        return self.kv_cache_bytes / max(1, self.num_kv_tokens)
 
     @property
     def num_kv_tokens(self) -> int:
@@ -95,8 +101,8 @@ class EngineInfo:
     def banner(self) -> str:
         return (
             f"engine: {self.dtype} on {self.device}{self._ranks} (attention: {self.attention_backend}); KV pool "
-            f"{self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} tokens, "
-            f"{self.kv_cache_bytes / 2**20:.1f} MiB{self._per_rank}; weights {self.weight_bytes / 2**20:.1f} MiB"
+            f"({self.kv_cache_dtype}) {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} "
+            f"tokens, {self.kv_cache_bytes / 2**20:.1f} MiB{self._per_rank}; weights {self.weight_bytes / 2**20:.1f} MiB"
             f"{self._per_rank}; max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f}x concurrency at full length"
         )

@@ -62,9 +62,13 @@ class ModelRunner:
         hf_config: PretrainedConfig | None = None,
         tp: TensorParallelGroup | None = None,
         mm_encoder_tp_mode: str = "data",
+        kv_cache_dtype: torch.dtype | None = None,
+        calculate_kv_scales: bool = False,
     ) -> None:
         """`mm_encoder_tp_mode` (several ranks): "data", the tower replicated and the step's media split
-        over the ranks; "weights", the tower sharded like the decoder and every item encoded by all."""
+        over the ranks; "weights", the tower sharded like the decoder and every item encoded by all.
+        `kv_cache_dtype`: the KV cache's element type (an FP8 one: `kernels/fp8.py`); None: `dtype`.
+        `calculate_kv_scales`: an FP8 cache's scales come from the first step's K/V, not the checkpoint."""
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
@@ -72,6 +76,7 @@ class ModelRunner:
             fused_moe = get_moe_backend(device).fused_moe if cfg.moe_layers else None
             model = Decoder(cfg, self.backend, tp, fused_moe)
         model = model.to_empty(device="cpu")
+        model.reset_kv_scales()  # to_empty left them uninitialised; the checkpoint may then set them
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         load_decoder_weights(model, model_dir)
@@ -81,7 +86,10 @@ class ModelRunner:
         # One pool per layer, this rank's KV heads: [2, num_blocks, block_size, num_kv_heads, head_dim]
         _, num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
         shape = (2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        if calculate_kv_scales:
+            self.model.calibrate_kv_scales()
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
         self.requests = RequestStates()  # what the plans so far have sent of each running request
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None

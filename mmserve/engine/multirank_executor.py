@@ -65,6 +65,7 @@ from mmserve.engine.rank_worker import (
 )
 from mmserve.engine.sampler import GrammarBitmask
 from mmserve.engine.serial import Decoder
+from mmserve.kernels.fp8 import KV_CACHE_DTYPES
 from mmserve.models.config import DecoderConfig
 from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -94,6 +95,8 @@ class MultiRankExecutor:
         port: int = 0,
         num_local_ranks: int | None = None,
         mm_encoder_tp_mode: str = "data",
+        kv_cache_dtype: str = "auto",  # a name of kernels/fp8.py's KV_CACHE_DTYPES
+        calculate_kv_scales: bool = False,
     ) -> None:
         """Starts ranks 1..num_local_ranks-1 here (all of them by default); the others (another
         node) join by themselves through the store at `host:port` (`rank_worker`'s torchrun mode);
@@ -151,7 +154,7 @@ class MultiRankExecutor:
             env = {k: v for k, v in os.environ.items() if k.startswith("MMSERVE_")}  # e.g. the attention backend
             runner_spec = RunnerSpec(
                 model_dir, device.type, first_index, dtype_name, num_blocks, block_size, timeout_s, num_threads,
-                mm_encoder_tp_mode, env,
+                mm_encoder_tp_mode, env, kv_cache_dtype, calculate_kv_scales,
             )  # fmt: skip
             self._store.set(RUNNER_KEY, runner_spec.to_json())
             for rank in range(1, self._num_local):
@@ -159,8 +162,9 @@ class MultiRankExecutor:
             self._await_joining()
             self.tp = TensorParallelGroup.join(self._store, 0, world_size, device, timeout_s)
             self._runner = ModelRunner(
-                model_dir, cfg, device, dtype, num_blocks, block_size, hf_config, self.tp, mm_encoder_tp_mode
-            )
+                model_dir, cfg, device, dtype, num_blocks, block_size, hf_config, self.tp, mm_encoder_tp_mode,
+                KV_CACHE_DTYPES[kv_cache_dtype], calculate_kv_scales,
+            )  # fmt: skip
             self._await_ready(checkpoint_fingerprint(model_dir))
         except BaseException:
             self.close()

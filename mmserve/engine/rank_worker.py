@@ -78,6 +78,8 @@ class RunnerSpec:
     num_threads: int | None  # torch threads per rank on the CPU; None: torch's default
     mm_encoder_tp_mode: str = "data"
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # the first rank's MMSERVE_* variables
+    kv_cache_dtype: str = "auto"  # a name of kernels/fp8.py's KV_CACHE_DTYPES
+    calculate_kv_scales: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -164,6 +166,7 @@ def run_rank(spec: RankSpec) -> int:
 def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGroup) -> ModelRunner:
     from mmserve.engine.core import DTYPES
     from mmserve.engine.model_runner import ModelRunner
+    from mmserve.kernels.fp8 import KV_CACHE_DTYPES
     from mmserve.models.config import DecoderConfig
 
     model_config, hf_config = DecoderConfig.from_pretrained(spec.model_dir)
@@ -178,6 +181,8 @@ def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGrou
         hf_config,
         tp,
         spec.mm_encoder_tp_mode,
+        KV_CACHE_DTYPES[spec.kv_cache_dtype],
+        spec.calculate_kv_scales,
     )
 
 

@@ -50,6 +50,20 @@ def unit_scales(num_kv_heads: int, device: torch.device | str = "cpu") -> torch.
     return torch.ones(2, num_kv_heads, dtype=torch.float32, device=device)
 
 
+# Calibrated scales map this multiple of the calibration batch's largest |K| (|V|) to the format's largest
+# finite value: later tokens up to that much larger still fit before saturating.
+CALIBRATION_HEADROOM = 2.0
+
+
+def calibrated_scales(key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """key, value: [num_tokens, num_kv_heads, head_dim] -> [2, num_kv_heads] fp32 scales from their per-head
+    largest magnitude (vLLM's `calculate_kv_scales`, per head): small values then use the format's normal
+    range instead of its coarse subnormals. A head that is all zeros gets scale 1."""
+    amax = torch.stack([key.detach().abs().amax(dim=(0, 2)), value.detach().abs().amax(dim=(0, 2))]).float()
+    scales = amax * (CALIBRATION_HEADROOM / torch.finfo(dtype).max)
+    return torch.where(scales > 0, scales, torch.ones_like(scales))
+
+
 def byte_table(dtype: torch.dtype) -> torch.Tensor:
     """[256] fp32: the value of every byte as a code of `dtype` (NaN codes included; they are never
     written, since `quantize` saturates). The C kernel decodes through it."""

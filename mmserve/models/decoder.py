@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
+from mmserve.kernels import fp8
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
@@ -113,6 +114,35 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        # [2, this rank's KV heads] fp32: K and V scales of an FP8 KV cache (ones unless the checkpoint has
+        # calibrated ones); kept fp32 whatever dtype the module is cast to (see _apply).
+        self.first_kv_head, self.num_kv_heads_total = first_kv, cfg.num_kv_heads
+        self.register_buffer("kv_scales", torch.ones(2, self.num_kv_heads), persistent=False)
+        self.calibrate_kv_scales = False  # set: the next forward over an FP8 cache sets kv_scales from its K/V
+
+    def _apply(self, fn: object, recurse: bool = True) -> Attention:
+        """nn.Module.to & co. move the scales but never lower their precision: they stay fp32."""
+        super()._apply(fn, recurse)  # type: ignore[arg-type]
+        self.kv_scales = self.kv_scales.float()
+        return self
+
+    def load_kv_scale(self, name: str, values: torch.Tensor) -> None:
+        """A checkpoint's KV cache scale, `name` "k_scale" | "v_scale": one for all heads (shape () or (1,)) or
+        one per KV head of the whole model, of which this rank keeps its own. Must be finite and > 0."""
+        row = {"k_scale": 0, "v_scale": 1}.get(name)
+        if row is None:
+            raise ValueError(f"{name}: an attention layer's scales are k_scale and v_scale")
+        if values.dim() > 1 or values.numel() not in (1, self.num_kv_heads_total):
+            raise ValueError(
+                f"{name}: shape {tuple(values.shape)} is neither one scale nor one per KV head ({self.num_kv_heads_total})"
+            )
+        values = values.reshape(-1).float()
+        if not (values.isfinite().all() and (values > 0).all()):
+            raise ValueError(f"{name}: scales must be finite and > 0")
+        if values.numel() > 1:
+            values = values[self.first_kv_head : self.first_kv_head + self.num_kv_heads]
+        with torch.no_grad():
+            self.kv_scales[row].copy_(values.expand(self.num_kv_heads))
 
     def forward(
         self,
@@ -129,9 +159,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.store_kv_cache(k, v, kv_cache, batch.slot_mapping)
+        if self.calibrate_kv_scales and fp8.is_fp8(kv_cache.dtype):
+            self.kv_scales.copy_(fp8.calibrated_scales(k, v, kv_cache.dtype))
+            self.calibrate_kv_scales = False
+        self.backend.store_kv_cache(k, v, kv_cache, batch.slot_mapping, self.kv_scales)
         out = self.backend.paged_attention(
-            q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale
+            q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale, self.kv_scales
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -220,6 +253,17 @@ class Decoder(nn.Module):
             if deepstack is not None and i < deepstack.embeds.shape[0]:
                 x = x.index_add(0, deepstack.rows, deepstack.embeds[i])
         return self.norm(x)
+
+    def reset_kv_scales(self) -> None:
+        """Every layer's FP8 KV cache scales to 1.0 (after `to_empty`, before a checkpoint sets its own)."""
+        for layer in self.layers:
+            layer.self_attn.kv_scales.fill_(1.0)
+
+    def calibrate_kv_scales(self) -> None:
+        """Each layer sets its FP8 KV cache scales from the K/V of the first forward after this (vLLM's
+        `calculate_kv_scales`), replacing the checkpoint's or the default ones; fixed from then on."""
+        for layer in self.layers:
+            layer.self_attn.calibrate_kv_scales = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab] on the first rank, None on the others."""
