@@ -37,3 +37,30 @@ class RouterBenchConfig:
             raise ValueError(f"unknown policy or media: {', '.join(unknown)}")
         if min(self.num_replicas, self.num_families, self.requests_per_family, self.concurrency) < 1:
             raise ValueError("num_replicas, num_families, requests_per_family and concurrency must be >= 1")
+
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # as config.KV_CACHE_DTYPE_NAMES ("fp8" is fp8_e4m3)
+
+
+@dataclass(frozen=True)
+class KVCacheBenchConfig:
+    """`mmserve bench kv-cache`: each field is one command-line option and a key of the report's `config`."""
+
+    kv_cache_dtypes: tuple[str, ...] = KV_CACHE_DTYPES  # side by side; the first is the accuracy reference
+    dtype: str = "float32"  # the compute dtype of every engine
+    kv_cache_tokens: int = 2048  # the pool's memory: this many tokens in the compute dtype
+    num_requests: int = 48  # the capacity batch, all submitted at once
+    prompt_len: int = 96  # tokens (about)
+    output_len: int = 64  # forced (ignore_eos)
+    accuracy_prompts: int = 24
+    accuracy_tokens: int = 24  # greedy tokens compared per prompt
+    calculate_kv_scales: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [d for d in self.kv_cache_dtypes if d not in KV_CACHE_DTYPES]
+        if unknown or not self.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtypes: choose from {', '.join(KV_CACHE_DTYPES)} (got {unknown or 'none'})")
+        if min(self.kv_cache_tokens, self.num_requests, self.prompt_len, self.output_len, self.accuracy_prompts,
+               self.accuracy_tokens) < 1:  # fmt: skip
+            raise ValueError("token counts and request counts must be >= 1")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mmserve.bench import SYSTEMS, WORKLOADS, RouterBenchConfig
+from mmserve.bench import SYSTEMS, WORKLOADS, KVCacheBenchConfig, RouterBenchConfig
 from mmserve.slo_flags import add_slo_planner_flags
 
 
@@ -120,6 +120,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_bench_profile_parser(bench_sub)
     _add_bench_tensor_parallel_parser(bench_sub)
     _add_bench_router_parser(bench_sub)
+    _add_bench_kv_cache_parser(bench_sub)
     bench_sub.add_parser(
         "kernels",
         help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
@@ -141,6 +142,8 @@ def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
         return _bench_tensor_parallel(args)
     if args.bench_command == "router":
         return _bench_router(args)
+    if args.bench_command == "kv-cache":
+        return _bench_kv_cache(args)
     return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
 
 
@@ -497,6 +500,34 @@ def _bench_router(args: argparse.Namespace) -> int:
     if args.plot is not None:
         for path in plot_router(report, args.plot):
             print(f"wrote {path}")
+    return 0
+
+
+def _add_bench_kv_cache_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "kv-cache",
+        help="KV cache dtypes (auto, fp8_e4m3, fp8_e5m2) side by side at one pool memory: sequences run at once, "
+        "preemptions, tok/s, greedy agreement and first-token logprob error against the first",
+    )
+    p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the qwen2-vl bench preset)")
+    add_config_options(p, KVCacheBenchConfig)
+    p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+
+
+def _bench_kv_cache(args: argparse.Namespace) -> int:
+    from mmserve.bench.kv_cache import bench_kv_cache, format_report
+
+    try:
+        cfg = config_from_options(KVCacheBenchConfig, args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_kv_cache(_bench_model(args.model), cfg)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -1,0 +1,121 @@
+"""`mmserve bench kv-cache`: KV cache dtypes side by side on one checkpoint, offline (`LLM`), at one fixed
+pool memory: how many sequences run at once before preemption (capacity), output tok/s of the same batch, and
+accuracy against the first dtype's engine (greedy-token agreement, mean |logprob difference| of the first
+token). One engine at a time, in the order given."""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from mmserve import LLM, SamplingParams
+from mmserve.bench import KVCacheBenchConfig
+from mmserve.engine.core import DTYPES
+from mmserve.engine.model_runner import ModelRunner
+from mmserve.models.config import DecoderConfig
+
+_WORDS = ("the", "a", "river", "stone", "light", "under", "quiet", "north", "table", "seven", "moves", "across",
+          "blue", "winter", "green", "market", "slowly", "paper", "window", "garden")  # fmt: skip
+
+
+def _prompts(n: int, length: int, vocabulary: list[int], rng: random.Random) -> list[list[int]]:
+    """n prompts of exactly `length` token ids drawn from `vocabulary`."""
+    return [[rng.choice(vocabulary) for _ in range(length)] for _ in range(n)]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bench_kv_cache(model: Path, cfg: KVCacheBenchConfig) -> dict[str, Any]:
+    decoder, _ = DecoderConfig.from_pretrained(model)
+    block_size = 16
+    memory = cfg.kv_cache_tokens * ModelRunner.kv_bytes_per_block(decoder, block_size, DTYPES[cfg.dtype]) // block_size
+    rng = random.Random(cfg.seed)
+    vocabulary = sorted(set(AutoTokenizer.from_pretrained(model).encode(" ".join(_WORDS))))
+    batch = _prompts(cfg.num_requests, cfg.prompt_len, vocabulary, rng)
+    accuracy = _prompts(cfg.accuracy_prompts, cfg.prompt_len, vocabulary, rng)
+    max_len = cfg.prompt_len + max(cfg.output_len, cfg.accuracy_tokens)
+    reference: list[tuple[list[int], dict[int, float]]] | None = None
+    results = []
+    for kv in cfg.kv_cache_dtypes:
+        llm = LLM(model, dtype=cfg.dtype, kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=cfg.num_requests,
+                  max_model_len=max_len, calculate_kv_scales=cfg.calculate_kv_scales)  # fmt: skip
+        try:
+            info = llm.info()
+            greedy = SamplingParams(max_tokens=cfg.accuracy_tokens, temperature=0.0, logprobs=20)
+            outputs = [(o.token_ids, o.logprobs[0]) for o in llm.generate(accuracy, greedy)]
+            llm.step_records.clear()
+            start = time.perf_counter()
+            done = llm.generate(batch, SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True))
+            wall = time.perf_counter() - start
+            stats = llm.stats()
+            peak_seqs = max((r.num_seqs for r in llm.step_records), default=0)
+        finally:
+            llm.close()
+        reference = reference or outputs
+        row = {
+            "kv_cache_dtype": info.kv_cache_dtype,
+            "num_kv_blocks": info.num_kv_blocks,
+            "kv_bytes_per_token": info.kv_bytes_per_token,
+            "kv_cache_bytes": info.kv_cache_bytes,
+            "peak_running_seqs": peak_seqs,
+            "preemptions": stats.num_preemptions,
+            "output_tok_s": sum(len(o.token_ids) for o in done) / wall,
+            "wall_s": wall,
+            **_agreement(outputs, reference),
+        }
+        results.append(row)
+    base = results[0]
+    for row in results:
+        row["capacity_ratio"] = row["peak_running_seqs"] / max(1, base["peak_running_seqs"])
+        row["blocks_ratio"] = row["num_kv_blocks"] / base["num_kv_blocks"]
+        row["tok_s_ratio"] = row["output_tok_s"] / base["output_tok_s"]
+    return {"config": {**cfg.__dict__, "kv_cache_memory": memory}, "cpu": cpu_model(), "model": str(model),
+            "results": results}  # fmt: skip
+
+
+def _agreement(
+    outputs: list[tuple[list[int], dict[int, float]]], reference: list[tuple[list[int], dict[int, float]]]
+) -> dict[str, float]:
+    """Greedy-token agreement (tokens before the first difference, over all tokens), the share of identical
+    continuations, and mean |logprob difference| of the reference's first token (both saw the same prompt)."""
+    matched = total = same = 0
+    diffs = []
+    for (tokens, first), (ref_tokens, ref_first) in zip(outputs, reference, strict=True):
+        prefix = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=False)) if a != b), min(len(tokens), len(ref_tokens)))
+        matched, total, same = matched + prefix, total + len(ref_tokens), same + (tokens == ref_tokens)
+        token = ref_tokens[0]
+        diffs.append(abs(first.get(token, min(first.values())) - ref_first[token]))
+    return {
+        "greedy_token_agreement": matched / max(1, total),
+        "identical_outputs": same / max(1, len(outputs)),
+        "first_token_mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [f"KV cache dtypes on {report['cpu']}: {cfg['dtype']} compute, {cfg['kv_cache_memory'] / 2**20:.1f} MiB "
+             f"pool, {cfg['num_requests']} requests x ({cfg['prompt_len']} + {cfg['output_len']}) tokens",
+             f"{'kv dtype':<10} {'blocks':>7} {'B/token':>8} {'peak seqs':>9} {'capacity':>8} {'preempt':>7} "
+             f"{'tok/s':>8} {'ratio':>6} {'agree':>6} {'same':>5} {'|dlogp|':>8}"]  # fmt: skip
+    for r in report["results"]:
+        lines.append(
+            f"{r['kv_cache_dtype']:<10} {r['num_kv_blocks']:>7} {r['kv_bytes_per_token']:>8.0f} "
+            f"{r['peak_running_seqs']:>9} {r['capacity_ratio']:>7.2f}x {r['preemptions']:>7} "
+            f"{r['output_tok_s']:>8.1f} {r['tok_s_ratio']:>5.2f}x {r['greedy_token_agreement']:>6.2f} "
+            f"{r['identical_outputs']:>5.2f} {r['first_token_mean_abs_logprob_diff']:>8.3f}"
+        )
+    return "\n".join(lines)
