@@ -55,6 +55,7 @@ class KVCacheBenchConfig:
     accuracy_prompts: int = 24
     accuracy_tokens: int = 24  # greedy tokens compared per prompt
     calculate_kv_scales: bool = False
+    repeats: int = 2  # timed batches per dtype, interleaved across dtypes; the median counts
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,5 +63,5 @@ class KVCacheBenchConfig:
         if unknown or not self.kv_cache_dtypes:
             raise ValueError(f"kv_cache_dtypes: choose from {', '.join(KV_CACHE_DTYPES)} (got {unknown or 'none'})")
         if min(self.kv_cache_tokens, self.num_requests, self.prompt_len, self.output_len, self.accuracy_prompts,
-               self.accuracy_tokens) < 1:  # fmt: skip
+               self.accuracy_tokens, self.repeats) < 1:  # fmt: skip
             raise ValueError("token counts and request counts must be >= 1")

@@ -1,12 +1,14 @@
 """`mmserve bench kv-cache`: KV cache dtypes side by side on one checkpoint, offline (`LLM`), at one fixed
-pool memory: how many sequences run at once before preemption (capacity), output tok/s of the same batch, and
-accuracy against the first dtype's engine (greedy-token agreement, mean |logprob difference| of the first
-token). One engine at a time, in the order given."""
+pool memory: how many sequences of the batch's length the pool holds at once (capacity, checked by running
+exactly that many: all at once, none preempted), output tok/s of the same batch (engines alive together,
+timed batches interleaved, the median of `repeats`), and accuracy against the first dtype's engine
+(greedy-token agreement, mean |logprob difference| of the first token)."""
 
 from __future__ import annotations
 
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -47,43 +49,63 @@ def bench_kv_cache(model: Path, cfg: KVCacheBenchConfig) -> dict[str, Any]:
     batch = _prompts(cfg.num_requests, cfg.prompt_len, vocabulary, rng)
     accuracy = _prompts(cfg.accuracy_prompts, cfg.prompt_len, vocabulary, rng)
     max_len = cfg.prompt_len + max(cfg.output_len, cfg.accuracy_tokens)
-    reference: list[tuple[list[int], dict[int, float]]] | None = None
-    results = []
-    for kv in cfg.kv_cache_dtypes:
-        llm = LLM(model, dtype=cfg.dtype, kv_cache_dtype=kv, kv_cache_memory=memory, max_num_seqs=cfg.num_requests,
-                  max_model_len=max_len, calculate_kv_scales=cfg.calculate_kv_scales)  # fmt: skip
-        try:
-            info = llm.info()
-            greedy = SamplingParams(max_tokens=cfg.accuracy_tokens, temperature=0.0, logprobs=20)
-            outputs = [(o.token_ids, o.logprobs[0]) for o in llm.generate(accuracy, greedy)]
-            llm.step_records.clear()
-            start = time.perf_counter()
-            done = llm.generate(batch, SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True))
-            wall = time.perf_counter() - start
-            stats = llm.stats()
-            peak_seqs = max((r.num_seqs for r in llm.step_records), default=0)
-        finally:
+    per_seq_blocks = -(-(cfg.prompt_len + cfg.output_len) // block_size)
+    llms = {}
+    try:
+        for kv in cfg.kv_cache_dtypes:  # all alive at once, so the timed batches interleave
+            llms[kv] = LLM(model, dtype=cfg.dtype, kv_cache_dtype=kv, kv_cache_memory=memory,
+                           max_num_seqs=max(cfg.num_requests, 1024), max_model_len=max_len,
+                           calculate_kv_scales=cfg.calculate_kv_scales)  # fmt: skip
+        rows = {kv: _accuracy_and_capacity(llm, accuracy, batch, per_seq_blocks, cfg) for kv, llm in llms.items()}
+        forced = SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+        walls: dict[str, list[float]] = {kv: [] for kv in llms}
+        for _ in range(cfg.repeats):
+            for kv, llm in llms.items():
+                start = time.perf_counter()
+                llm.generate(batch, forced)
+                walls[kv].append(time.perf_counter() - start)
+    finally:
+        for llm in llms.values():
             llm.close()
-        reference = reference or outputs
-        row = {
-            "kv_cache_dtype": info.kv_cache_dtype,
-            "num_kv_blocks": info.num_kv_blocks,
-            "kv_bytes_per_token": info.kv_bytes_per_token,
-            "kv_cache_bytes": info.kv_cache_bytes,
-            "peak_running_seqs": peak_seqs,
-            "preemptions": stats.num_preemptions,
-            "output_tok_s": sum(len(o.token_ids) for o in done) / wall,
-            "wall_s": wall,
-            **_agreement(outputs, reference),
-        }
-        results.append(row)
+    reference = rows[cfg.kv_cache_dtypes[0]].pop("outputs")
+    results = []
+    for kv, row in rows.items():
+        wall = statistics.median(walls[kv])
+        outputs = row.pop("outputs", reference)
+        results.append({**row, "output_tok_s": cfg.num_requests * cfg.output_len / wall, "wall_s": wall,
+                        **_agreement(outputs, reference)})  # fmt: skip
     base = results[0]
     for row in results:
-        row["capacity_ratio"] = row["peak_running_seqs"] / max(1, base["peak_running_seqs"])
+        row["capacity_ratio"] = row["capacity_seqs"] / max(1, base["capacity_seqs"])
         row["blocks_ratio"] = row["num_kv_blocks"] / base["num_kv_blocks"]
         row["tok_s_ratio"] = row["output_tok_s"] / base["output_tok_s"]
     return {"config": {**cfg.__dict__, "kv_cache_memory": memory}, "cpu": cpu_model(), "model": str(model),
             "results": results}  # fmt: skip
+
+
+def _accuracy_and_capacity(
+    llm: LLM, accuracy: list[list[int]], batch: list[list[int]], per_seq_blocks: int, cfg: KVCacheBenchConfig
+) -> dict[str, Any]:
+    """The engine's greedy outputs on the accuracy prompts, and its capacity: the sequences of the batch's
+    length its pool holds at once, checked by running exactly that many (all must run at once, unpreempted)."""
+    info = llm.info()
+    greedy = SamplingParams(max_tokens=cfg.accuracy_tokens, temperature=0.0, logprobs=20)
+    outputs = [(o.token_ids, o.logprobs[0]) for o in llm.generate(accuracy, greedy)]
+    capacity = info.num_kv_blocks // per_seq_blocks
+    prompts = [batch[i % len(batch)] for i in range(capacity)]
+    before = llm.stats().num_preemptions
+    llm.step_records.clear()
+    llm.generate(prompts, SamplingParams(max_tokens=cfg.output_len, temperature=0.0, ignore_eos=True))
+    return {
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "num_kv_blocks": info.num_kv_blocks,
+        "kv_bytes_per_token": info.kv_bytes_per_token,
+        "kv_cache_bytes": info.kv_cache_bytes,
+        "capacity_seqs": capacity,
+        "capacity_peak_running": max((r.num_seqs for r in llm.step_records), default=0),
+        "capacity_preemptions": llm.stats().num_preemptions - before,
+        "outputs": outputs,
+    }
 
 
 def _agreement(
@@ -109,12 +131,12 @@ def format_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
     lines = [f"KV cache dtypes on {report['cpu']}: {cfg['dtype']} compute, {cfg['kv_cache_memory'] / 2**20:.1f} MiB "
              f"pool, {cfg['num_requests']} requests x ({cfg['prompt_len']} + {cfg['output_len']}) tokens",
-             f"{'kv dtype':<10} {'blocks':>7} {'B/token':>8} {'peak seqs':>9} {'capacity':>8} {'preempt':>7} "
+             f"{'kv dtype':<10} {'blocks':>7} {'B/token':>8} {'seqs held':>9} {'capacity':>8} {'preempt':>7} "
              f"{'tok/s':>8} {'ratio':>6} {'agree':>6} {'same':>5} {'|dlogp|':>8}"]  # fmt: skip
     for r in report["results"]:
         lines.append(
             f"{r['kv_cache_dtype']:<10} {r['num_kv_blocks']:>7} {r['kv_bytes_per_token']:>8.0f} "
-            f"{r['peak_running_seqs']:>9} {r['capacity_ratio']:>7.2f}x {r['preemptions']:>7} "
+            f"{r['capacity_peak_running']:>4}/{r['capacity_seqs']:<4} {r['capacity_ratio']:>7.2f}x {r['capacity_preemptions']:>7} "
             f"{r['output_tok_s']:>8.1f} {r['tok_s_ratio']:>5.2f}x {r['greedy_token_agreement']:>6.2f} "
             f"{r['identical_outputs']:>5.2f} {r['first_token_mean_abs_logprob_diff']:>8.3f}"
         )
