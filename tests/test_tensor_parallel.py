@@ -119,6 +119,22 @@ def test_seven_token_budget_with_preemption(text_case: tuple, engines: Callable)
     _idle(llm)
 
 
+def test_fp8_kv_cache_with_calibrated_scales_equals_tp1(text_case: tuple, engines: Callable) -> None:
+    """Each rank quantizes and calibrates its own KV heads (per-head scales): the same greedy output as one
+    rank with the whole cache. Logprobs agree to 1e-2, not LOGPROB_ATOL: K/V that differ in the last fp32
+    bit (another summation order across ranks) can round to neighbouring FP8 codes, 6% apart in e4m3."""
+    model_dir, prompts, _, _ = text_case
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    with LLM(model_dir, **fp8) as tp1_llm:
+        tp1 = tp1_llm.generate(prompts, GREEDY)
+    llm = engines(model_dir, 2, **fp8)
+    assert llm.info().kv_cache_dtype == "fp8_e4m3"
+    for i, (a, b) in enumerate(zip(llm.generate(prompts, GREEDY), tp1, strict=True)):
+        assert a.token_ids == b.token_ids, f"output {i} differs from TP=1"
+        assert _logprobs(a) == pytest.approx(_logprobs(b), abs=1e-2)
+    _idle(llm)
+
+
 # -- images and video -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def mm_case(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> tuple:
