@@ -196,7 +196,7 @@ def test_bench_kv_cache_reports_capacity_speed_and_accuracy_side_by_side(model_d
     assert (auto["capacity_seqs"], e4m3["capacity_seqs"], e4m3["capacity_ratio"]) == (3, 12, 4.0)
     for row in report["results"]:
         assert row["capacity_peak_running"] == row["capacity_seqs"] and row["capacity_preemptions"] == 0
-        assert row["output_tok_s"] > 0
+        assert row["output_tok_s"] > 0 and row["equal_concurrency_seqs"] == 3 and row["equal_concurrency_tok_s"] > 0
     assert "fp8_e5m2" in format_report(report) and report["config"]["kv_cache_memory"] > 0
     with pytest.raises(ValueError, match="kv_cache_dtypes"):
         KVCacheBenchConfig(kv_cache_dtypes=("int8",))
