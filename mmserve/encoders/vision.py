@@ -8,6 +8,8 @@ encoding groups separately gives exactly the embeddings of encoding the item who
 Qwen3-VL's DeepStack: the tower also emits one merged feature per `deepstack_visual_indexes` layer;
 `encode` returns them beside the main embeddings as extra column blocks (see `encode`).
 
+A quantized tower (any quantized layer's tensors under the vision prefixes) is refused with the layer named.
+
 Under tensor parallelism the tower is replicated (data mode: ranks encode different items), or, in
 weights mode, each block is sharded like the decoder (`shard_tower`): qkv and the MLP's first layer
 column-parallel by heads / features, the attention output and the MLP's last layer row-parallel with
@@ -73,6 +75,7 @@ class VisionTower:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
                     if prefix is not None:
+                        _refuse_quantized(key, f.get_slice(key).get_dtype())
                         state[key[len(prefix) :]] = f.get_tensor(key)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("inv_freq")]
@@ -112,6 +115,22 @@ class VisionTower:
         if not self._num_deepstack:
             return out.pooler_output  # [tokens, out_hidden]
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)  # [tokens, out_hidden * (1 + L)]
+
+
+# Tensors of a quantized layer (compressed-tensors, AWQ, block-wise FP8), and the dtypes of unquantized weights.
+_QUANTIZED_TENSORS = ("weight_scale", "weight_packed", "weight_zero_point", "weight_shape", "weight_scale_inv",
+                      "input_scale", "qweight", "qzeros", "scales", "g_idx")  # fmt: skip
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _refuse_quantized(key: str, dtype: str) -> None:
+    """ValueError if checkpoint tensor `key` of the vision tower belongs to a quantized layer: the tower is
+    transformers' module, which mmserve loads with plain weights only."""
+    if key.rpartition(".")[2] in _QUANTIZED_TENSORS or dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"the vision tower is quantized ({key}, {dtype}): mmserve serves quantized decoders only; keep the vision "
+            "tower unquantized (compressed-tensors `ignore`, AWQ / FP8 `modules_to_not_convert`)"
+        )
 
 
 def _column(linear: nn.Linear, num_parts: int, tp: TensorParallelGroup, what: str) -> ColumnParallelLinear:

@@ -31,9 +31,9 @@ from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, S
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
 from mmserve.kernels.dispatch import get_attention_backend, get_moe_backend
 from mmserve.models.config import DecoderConfig
-from mmserve.models.decoder import Decoder, DeepStackInput, rotary_embedding
+from mmserve.models.decoder import DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
-from mmserve.models.loader import load_decoder_weights
+from mmserve.models.loader import load_decoder
 from mmserve.models.parallel import kv_head_range
 from mmserve.scheduler.output import EncoderWork, FailedRequest, ModelRunnerOutput, SchedulerOutput
 from mmserve.scheduler.plan_state import RequestStates, StepView
@@ -72,14 +72,10 @@ class ModelRunner:
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
-        with torch.device("meta"):
-            fused_moe = get_moe_backend(device).fused_moe if cfg.moe_layers else None
-            model = Decoder(cfg, self.backend, tp, fused_moe)
-        model = model.to_empty(device="cpu")
-        model.reset_kv_scales()  # to_empty left them uninitialised; the checkpoint may then set them
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        load_decoder_weights(model, model_dir)
+        fused_moe = get_moe_backend(device).fused_moe if cfg.moe_layers else None
+        # Quantized layers keep their codes (integer tensors) and fp32 scales through the cast; their compute path
+        # is $MMSERVE_QUANT_COMPUTE (auto | dequantized | native; models/quant/linear.py).
+        model = load_decoder(model_dir, cfg, self.backend, tp, fused_moe)
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = rotary_embedding(cfg).to(device)
@@ -140,10 +136,13 @@ class ModelRunner:
         self.encoder_cache.clear()
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights this rank holds: its decoder shard, plus the whole vision tower."""
-        modules = [self.model] + ([self.vision.model] if self.vision is not None else [])
-        unique = {id(p): p for m in modules for p in m.parameters()}  # tied weights once
-        return sum(p.numel() * p.element_size() for p in unique.values())
+        """Bytes of the weights this rank holds: its decoder shard, plus the whole vision tower. Parameters and
+        persistent buffers: a quantized layer's codes, scales and zero points are buffers, as stored (int4 packed
+        8 to a word, fp8 / int8 one byte each); derived tables (rotary frequencies, KV scales) are not counted."""
+        modules = [m for top in [self.model] + ([self.vision.model] if self.vision else []) for m in top.modules()]
+        buffers = [b for m in modules for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
+        unique = {id(t): t for t in (*[p for m in modules for p in m.parameters(recurse=False)], *buffers)}
+        return sum(t.numel() * t.element_size() for t in unique.values())  # tied weights once
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """(requests whose plan state is kept, the encoder cache's keys)."""

@@ -1,5 +1,6 @@
 """`DecoderConfig`: the decoder's shape, read from any supported Hugging Face config through
-`transformers.AutoConfig` (legacy and current formats, VL models' `text_config`)."""
+`transformers.AutoConfig` (legacy and current formats, VL models' `text_config`), and its quantization
+(`quantization_config`, parsed and validated by `models/quant/scheme.py`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
+
+from mmserve.models.quant.scheme import QuantizationConfig, parse_quantization_config
 
 SUPPORTED_MODEL_TYPES = (
     "qwen2", "qwen2_vl", "qwen2_5_vl", "llama", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"
@@ -45,6 +48,8 @@ class DecoderConfig:
     moe_layers: tuple[int, ...] = ()
     # DeepStack (Qwen3-VL): vision features added to the hidden states after each of the first N layers.
     num_deepstack_levels: int = 0
+    # The checkpoint's quantization (None: unquantized weights).
+    quantization: QuantizationConfig | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> tuple[DecoderConfig, PretrainedConfig]:
@@ -109,6 +114,9 @@ class DecoderConfig:
                 qk_norm=hf.model_type in _QK_NORM,
                 mrope_interleaved=hf.model_type in _INTERLEAVED_MROPE,
                 num_deepstack_levels=deepstack,
+                quantization=parse_quantization_config(
+                    getattr(hf, "quantization_config", None) or getattr(text, "quantization_config", None)
+                ),
                 **moe,
             ),
             hf,

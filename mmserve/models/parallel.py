@@ -37,7 +37,7 @@ class Linear(nn.Linear):
     rounding order. Other devices and larger batches use F.linear. Replicated on every rank."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        return linear_forward(x, self.weight, self.bias)
 
     def load_weight(self, name: str, shape: tuple[int, ...], read: SliceReader, part: int | None) -> None:
         """Copy checkpoint tensor `name` ("weight" | "bias") of `shape` into this layer's slice."""
@@ -46,7 +46,8 @@ class Linear(nn.Linear):
         _copy_full(getattr(self, name), shape, read, name)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in]^T + bias, as `Linear` computes it (also for quantized layers' weights)."""
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _CPU_TRANSPOSED_MAX_ROWS:
         return F.linear(x, weight, bias)
     # [out_features, rows], the bias added inside the product rather than in a second pass
@@ -147,8 +148,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return _linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(_linear(x, self.weight, None).contiguous())
+            return linear_forward(x, self.weight, self.bias)
+        out = self.tp.all_reduce(linear_forward(x, self.weight, None).contiguous())
         return out if self.bias is None else out + self.bias  # the bias once, not once per rank
 
     def load_weight(self, name: str, shape: tuple[int, ...], read: SliceReader, part: int | None) -> None:
