@@ -101,8 +101,8 @@ class EngineInfo:
     def banner(self) -> str:
         return (
             f"engine: {self.dtype} on {self.device}{self._ranks} (attention: {self.attention_backend}); KV pool "
-            f"({self.kv_cache_dtype}) {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} "
-            f"tokens, {self.kv_cache_bytes / 2**20:.1f} MiB{self._per_rank}; weights {self.weight_bytes / 2**20:.1f} MiB"
+            f"{self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} tokens "
+            f"({self.kv_cache_dtype}), {self.kv_cache_bytes / 2**20:.1f} MiB{self._per_rank}; weights {self.weight_bytes / 2**20:.1f} MiB"
             f"{self._per_rank}; max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f}x concurrency at full length"
         )
