@@ -486,3 +486,36 @@ def test_tp_boundaries_of_packed_words_and_groups_are_checked() -> None:
     staged = {"weight": torch.zeros(256, 64, dtype=torch.float8_e4m3fn), "weight_scale_inv": torch.ones(2, 2)}
     with pytest.raises(ValueError, match=r"64 input columns .* 128-column quantization block"):
         to_canonical(fp8.groups[0].scheme, staged, Span(256, 0, 256), Span(256, 64, 64))
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+
+
+def test_bench_quantization_reports_bytes_accuracy_and_speed_per_path(base: Callable) -> None:
+    from mmserve.bench.quantization import (
+        BENCH_FORMATS,
+        QuantizationBenchConfig,
+        bench_quantization,
+        format_report,
+    )
+    from mmserve.quantize import FORMATS
+
+    assert BENCH_FORMATS == FORMATS  # the CLI's torch-free copy
+    cfg = QuantizationBenchConfig(formats=("w4a16",), dtype="float32", accuracy_prompts=2, accuracy_tokens=3,
+                                  prompt_len=8, prefill_prompts=1, prefill_len=32, decode_batch=2, decode_tokens=3,
+                                  repeats=1)  # fmt: skip
+    report = bench_quantization(base("qwen3"), cfg)
+    dense, dequantized, native = report["results"]
+    assert (dense["format"], dequantized["path"], native["path"]) == ("dense", "dequantized", "native")
+    assert dequantized["weight_bytes"] == dense["weight_bytes"]  # fp32 weights either way
+    assert native["weight_bytes_ratio"] < 0.6
+    for row in (dequantized, native):
+        assert 0 < row["mean_abs_logprob_diff"] <= row["max_abs_logprob_diff"]  # quantization changed something
+        assert 0 <= row["greedy_token_agreement"] <= 1 and 0 <= row["teacher_forced_top1_agreement"] <= 1
+    # The two paths compute one function (up to float rounding order).
+    assert native["mean_abs_logprob_diff"] == pytest.approx(dequantized["mean_abs_logprob_diff"], abs=1e-3)
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_batch1_tok_s"] > 0
+               for r in report["results"])  # fmt: skip
+    assert "w4a16" in format_report(report) and report["machine"]["cpu"]
+    with pytest.raises(ValueError, match="formats: choose from"):
+        QuantizationBenchConfig(formats=("int3",))

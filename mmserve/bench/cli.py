@@ -121,6 +121,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_bench_tensor_parallel_parser(bench_sub)
     _add_bench_router_parser(bench_sub)
     _add_bench_kv_cache_parser(bench_sub)
+    _add_bench_quantization_parser(bench_sub)
     bench_sub.add_parser(
         "kernels",
         help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
@@ -144,6 +145,8 @@ def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
         return _bench_router(args)
     if args.bench_command == "kv-cache":
         return _bench_kv_cache(args)
+    if args.bench_command == "quantization":
+        return _bench_quantization(args)
     return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
 
 
@@ -523,6 +526,37 @@ def _bench_kv_cache(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     report = bench_kv_cache(_bench_model(args.model), cfg)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _add_bench_quantization_parser(bench_sub: argparse._SubParsersAction) -> None:
+    from mmserve.bench.quantization import QuantizationBenchConfig
+
+    p = bench_sub.add_parser(
+        "quantization",
+        help="each quantized format (compressed-tensors fp8 / int8 / int4, AWQ, Qwen FP8) of one checkpoint on each "
+        "compute path (dequantized, native) against the dense checkpoint: weight bytes, greedy agreement, "
+        "logprob error, prefill and decode tok/s",
+    )
+    p.add_argument("--model", type=Path, default=None, help="dense checkpoint (default: the qwen2-vl bench preset)")
+    add_config_options(p, QuantizationBenchConfig)
+    p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
+
+
+def _bench_quantization(args: argparse.Namespace) -> int:
+    from mmserve.bench.quantization import QuantizationBenchConfig, bench_quantization, format_report
+
+    try:
+        cfg = config_from_options(QuantizationBenchConfig, args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_quantization(_bench_model(args.model), cfg)
     print(format_report(report))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,227 @@
+"""`mmserve bench quantization`: each quantized format of one dense checkpoint (written by `mmserve.quantize`)
+on each compute path, against the dense checkpoint itself, offline (`LLM`): weight bytes held, accuracy on the
+same prompts (greedy-token agreement of free-running decoding, the share of identical continuations, and the
+mean |logprob difference| of the dense model's greedy tokens teacher-forced: each position's prompt is the dense
+model's own prefix), prefill tok/s, and decode tok/s at batch 1 and at a batch. Every engine stays alive and the
+timed runs go round all of them `repeats` times (the median round counts), so a load drifting on a shared machine
+weighs on every engine alike.
+
+The config is torch-free so the CLI can build its options cheaply; the run imports the engine."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# mmserve.quantize.FORMATS, repeated here so the CLI needs no torch (a test checks they agree).
+BENCH_FORMATS = ("fp8-tensor", "fp8-dynamic", "fp8-block", "w8a8", "w4a16", "w4a16-asym", "awq", "qwen-fp8")
+COMPUTE_PATHS = ("dequantized", "native")
+_PLAIN_IDS = 4000  # prompt ids drawn below this and below the first special token's id
+
+
+@dataclass(frozen=True)
+class QuantizationBenchConfig:
+    """`mmserve bench quantization`: each field is one command-line option and a key of the report's `config`."""
+
+    formats: tuple[str, ...] = BENCH_FORMATS
+    paths: tuple[str, ...] = COMPUTE_PATHS
+    dtype: str = "bfloat16"  # the compute dtype of every engine, the dense reference's included
+    group_size: int = 128  # the int4 formats' group (w4a16, w4a16-asym, awq)
+    accuracy_prompts: int = 16
+    accuracy_tokens: int = 16  # greedy tokens compared per prompt
+    prompt_len: int = 64  # tokens of each accuracy and decode prompt
+    prefill_prompts: int = 4
+    prefill_len: int = 512  # tokens of each prefill prompt (one output token)
+    decode_batch: int = 16  # sequences decoding together
+    decode_tokens: int = 32  # tokens each decodes (ignore_eos)
+    repeats: int = 3  # timed runs of each measurement; the median counts
+    seed: int = 0
+    workdir: str = ""  # where the quantized checkpoints go ("": a temporary directory)
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.formats if f not in BENCH_FORMATS] + [p for p in self.paths if p not in COMPUTE_PATHS]
+        if unknown or not self.formats or not self.paths:
+            raise ValueError(f"formats: choose from {', '.join(BENCH_FORMATS)}; paths from {', '.join(COMPUTE_PATHS)} "
+                             f"(got {unknown or 'none'})")  # fmt: skip
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if min(self.accuracy_prompts, self.accuracy_tokens, self.prompt_len, self.prefill_prompts, self.prefill_len,
+               self.decode_batch, self.decode_tokens, self.repeats, self.group_size) < 1:  # fmt: skip
+            raise ValueError("token counts, prompt counts, repeats and group_size must be >= 1")
+
+
+def bench_quantization(model: Path, cfg: QuantizationBenchConfig) -> dict[str, Any]:
+    """Quantize `model` into each format, start the dense engine and one per (format, path), all alive together,
+    measure accuracy and bytes, then time them in interleaved rounds (a machine whose load drifts slows every
+    engine alike; each figure is the median of its rounds)."""
+    import torch
+
+    from mmserve.bench.kv_cache import cpu_model
+    from mmserve.quantize import quantize_checkpoint
+
+    rng = random.Random(cfg.seed)
+    limit = _plain_id_limit(model)
+    prompts = {
+        "accuracy": _prompts(cfg.accuracy_prompts, cfg.prompt_len, limit, rng),
+        "prefill": _prompts(cfg.prefill_prompts, cfg.prefill_len, limit, rng),
+        "decode": _prompts(cfg.decode_batch, cfg.prompt_len, limit, rng),
+    }
+    engines: dict[tuple[str, str], Any] = {}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(cfg.workdir or tmp)
+        try:
+            engines[("dense", "-")], rows[("dense", "-")] = _start(model, None, cfg)
+            reference = _greedy(engines[("dense", "-")], prompts["accuracy"], cfg)
+            for fmt in cfg.formats:
+                quantized = workdir / f"{fmt}-g{cfg.group_size}"
+                start = time.perf_counter()
+                if not (quantized / "config.json").exists():  # else reused from an earlier run's workdir
+                    quantize_checkpoint(model, quantized, fmt, group_size=cfg.group_size)
+                quantize_s = time.perf_counter() - start
+                for path in cfg.paths:
+                    llm, row = _start(quantized, path, cfg)
+                    engines[(fmt, path)] = llm
+                    outputs = _greedy(llm, prompts["accuracy"], cfg)
+                    rows[(fmt, path)] = {**row, **_accuracy(llm, prompts["accuracy"], outputs, reference),
+                                         "quantize_s": quantize_s}  # fmt: skip
+            timings = _timed_rounds(engines, prompts, cfg, limit)
+        finally:
+            for llm in engines.values():
+                llm.close()
+    dense = rows[("dense", "-")]
+    results = []
+    for (fmt, path), row in rows.items():
+        row = {"format": fmt, "path": path, **row, **timings[(fmt, path)]}
+        row["weight_bytes_ratio"] = row["weight_bytes"] / dense["weight_bytes"]
+        for key in ("prefill_tok_s", "decode_tok_s", "decode_batch1_tok_s"):
+            row[f"{key}_ratio"] = row[key] / timings[("dense", "-")][key]
+        results.append(row)
+    machine = {"cpu": cpu_model(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {"config": asdict(cfg), "machine": machine, "model": str(model), "results": results}
+
+
+def _plain_id_limit(model: Path) -> int:
+    """Prompt ids stay below this: plain tokens (the tiny presets' and Qwen's special tokens follow the BPE ones)."""
+    from transformers import AutoTokenizer
+
+    specials = AutoTokenizer.from_pretrained(model).all_special_ids
+    return min([_PLAIN_IDS, *specials])
+
+
+def _prompts(n: int, length: int, limit: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(limit) for _ in range(length)] for _ in range(n)]
+
+
+def _start(model_dir: Path, path: str | None, cfg: QuantizationBenchConfig) -> tuple[Any, dict[str, Any]]:
+    """An engine on `model_dir` with the compute path `path` (None: a dense checkpoint), and its load figures."""
+    import os
+
+    from mmserve import LLM
+    from mmserve.models.quant.linear import QUANT_COMPUTE_ENV
+
+    previous = os.environ.get(QUANT_COMPUTE_ENV)
+    if path is not None:
+        os.environ[QUANT_COMPUTE_ENV] = path
+    try:
+        start = time.perf_counter()
+        llm = LLM(model_dir, dtype=cfg.dtype, num_kv_blocks=_blocks_needed(cfg), max_num_seqs=1024,
+                  max_num_batched_tokens=max(2048, cfg.prefill_len))  # fmt: skip
+        load_s = time.perf_counter() - start
+    finally:
+        if previous is None:
+            os.environ.pop(QUANT_COMPUTE_ENV, None)
+        else:
+            os.environ[QUANT_COMPUTE_ENV] = previous
+    return llm, {"weight_bytes": llm.info().weight_bytes, "load_s": load_s}
+
+
+def _greedy(llm: Any, prompts: list[list[int]], cfg: QuantizationBenchConfig) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens on the accuracy prompts and their logprobs."""
+    from mmserve import SamplingParams
+
+    params = SamplingParams(max_tokens=cfg.accuracy_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    return [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids, strict=True)])
+            for o in llm.generate(prompts, params)]  # fmt: skip
+
+
+def _timed_rounds(engines: dict[tuple[str, str], Any], prompts: dict[str, list[list[int]]],
+                  cfg: QuantizationBenchConfig, limit: int) -> dict[tuple[str, str], dict[str, float]]:  # fmt: skip
+    """Prefill tok/s, decode tok/s of the batch and of one sequence per engine: `repeats` rounds over every
+    engine in turn, the median round of each."""
+    from mmserve import SamplingParams
+
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=cfg.decode_tokens, temperature=0.0, ignore_eos=True)
+    runs = {
+        "prefill_tok_s": (prompts["prefill"], prefill, cfg.prefill_prompts * cfg.prefill_len),
+        "decode_tok_s": (prompts["decode"], decode, cfg.decode_batch * cfg.decode_tokens),
+        "decode_batch1_tok_s": (prompts["decode"][:1], decode, cfg.decode_tokens),
+    }
+    walls: dict[tuple[str, str], dict[str, list[float]]] = {key: {name: [] for name in runs} for key in engines}
+    for i in range(cfg.repeats):
+        for key, llm in engines.items():
+            for name, (batch, params, _) in runs.items():
+                # A new first token per round: the prefix cache never serves a prompt, so each round does the same work.
+                fresh = [[(p[0] + i + 1) % limit, *p[1:]] for p in batch]
+                start = time.perf_counter()
+                llm.generate(fresh, params)
+                walls[key][name].append(time.perf_counter() - start)
+    return {key: {name: runs[name][2] / statistics.median(w) for name, w in by_run.items()}
+            for key, by_run in walls.items()}  # fmt: skip
+
+
+def _blocks_needed(cfg: QuantizationBenchConfig, block_size: int = 16) -> int:
+    """A pool holding every batch the bench submits at once (teacher-forced accuracy is the largest)."""
+    accuracy = cfg.accuracy_prompts * cfg.accuracy_tokens * -(-(cfg.prompt_len + cfg.accuracy_tokens) // block_size)
+    prefill = cfg.prefill_prompts * -(-(cfg.prefill_len + 1) // block_size)
+    decode = cfg.decode_batch * -(-(cfg.prompt_len + cfg.decode_tokens) // block_size)
+    return max(accuracy, prefill, decode) + 16
+
+
+def _accuracy(llm: Any, prompts: list[list[int]], outputs: list[tuple[list[int], list[float]]],
+              reference: list[tuple[list[int], list[float]]]) -> dict[str, float]:  # fmt: skip
+    """Free-running agreement with the dense model's greedy outputs, and teacher-forced logprob differences."""
+    from mmserve import SamplingParams
+
+    matched = total = same = 0
+    for (tokens, _), (ref_tokens, _) in zip(outputs, reference, strict=True):
+        prefix = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), len(ref_tokens))
+        matched, total, same = matched + prefix, total + len(ref_tokens), same + (tokens == ref_tokens)
+    forced = [p + ref[:i] for p, (ref, _) in zip(prompts, reference, strict=True) for i in range(len(ref))]
+    expected = [(ref[i], lps[i]) for ref, lps in reference for i in range(len(ref))]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
+    diffs, top1 = [], 0
+    for out, (token, logprob) in zip(llm.generate(forced, params), expected, strict=True):
+        got = out.logprobs[0]
+        diffs.append(abs(got.get(token, min(got.values())) - logprob))  # outside the top 20: at least that far
+        top1 += out.token_ids[0] == token
+    return {
+        "greedy_token_agreement": matched / max(1, total),
+        "identical_outputs": same / max(1, len(outputs)),
+        "teacher_forced_top1_agreement": top1 / max(1, len(expected)),
+        "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)),
+        "max_abs_logprob_diff": max(diffs, default=0.0),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [
+        f"model {report['model']} ({cfg['dtype']}), {report['machine']['cpu']}, {report['machine']['threads']} threads",
+        f"{'format':12} {'path':12} {'weights MiB':>11} {'ratio':>6} {'agree':>6} {'ident':>6} {'|dlogp|':>8} "
+        f"{'prefill t/s':>11} {'decode t/s':>10} {'b1 t/s':>8}",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"{r['format']:12} {r['path']:12} {r['weight_bytes'] / 2**20:11.1f} {r['weight_bytes_ratio']:6.2f} "
+            f"{r.get('greedy_token_agreement', 1.0):6.2f} {r.get('identical_outputs', 1.0):6.2f} "
+            f"{r.get('mean_abs_logprob_diff', 0.0):8.4f} {r['prefill_tok_s']:11.0f} {r['decode_tok_s']:10.1f} "
+            f"{r['decode_batch1_tok_s']:8.1f}"
+        )
+    return "\n".join(lines)
