@@ -43,10 +43,12 @@ class ComputePath(StrEnum):
 
 
 def default_compute_path(scheme: LinearScheme) -> ComputePath:
-    """The path "auto" picks for `scheme`: native (the memory quantization saves) unless its speed is not
-    acceptable. Measured on the CPU with `mmserve bench quantization` (docs/benchmarks.md): int4 and int8 x int8
-    run natively at dequantized speed or near it; fp8 and int8 weights with fp activations pay an on-the-fly
-    dequantization of the whole weight per forward (decode steps several times slower), so they dequantize."""
+    """The path "auto" picks for `scheme`: native (the memory quantization is for) unless its speed is not
+    acceptable. `mmserve bench quantization` on the bench preset (bf16, 2 Xeon cores): int8 x int8 native runs
+    decode at the dequantized speed (1.5x it at batch 1) in 0.63x the bytes; int4 native at 0.4-0.5x the
+    dequantized decode speed in 0.45x the bytes (kept: an int4 checkpoint is chosen to fit memory, and GPUs run
+    the Triton twin); fp8 native dequantizes the whole weight per forward, 4.5x (batch) to 8.5x (batch 1) slower
+    decode, so fp8 dequantizes at load."""
     w, a = scheme.weights, scheme.activations
     if w.codes is Codes.INT4:
         return ComputePath.NATIVE
@@ -120,30 +122,25 @@ class QuantizedLinear(nn.Module):
 
     def load_weight(self, name: str, shape: tuple[int, ...], read: SliceReader, part: int | None) -> None:
         """Take this rank's piece of checkpoint tensor `name` (of fused part `part`: q/k/v, gate/up)."""
+        if part is not None and not 0 <= part < len(self.parts):
+            raise ValueError(f"{name}: part {part} of a layer with {len(self.parts)} parts")
         if name == "bias":
             self._load_bias(shape, read, part)
             return
         if part is None and len(self.parts) > 1:
             raise ValueError(f"{name}: quantized projections stored already fused are not supported")
         index = 0 if part is None else part
-        if not 0 <= index < len(self.parts):
-            raise ValueError(f"{name}: part {index} of a layer with {len(self.parts)} parts")
         piece = read_local(self.scheme, name, shape, read, self._rows(index), self._cols())
         self._staged.setdefault(index, {})[name] = piece
 
     def _load_bias(self, shape: tuple[int, ...], read: SliceReader, part: int | None) -> None:
+        """This rank's rows of each part (a row-parallel layer's one part is all its rows: its bias is whole,
+        added once after the all-reduce)."""
         if self.bias is None:
             raise ValueError("bias: this layer has no bias")
-        if self.tp is not None or len(shape) != 1:  # row-parallel: the whole bias, added once after the all-reduce
-            if tuple(shape) != (self.out_features,):
-                raise ValueError(f"bias: checkpoint shape {tuple(shape)} != ({self.out_features},)")
-            with torch.no_grad():
-                self.bias.copy_(read(0, 0, shape[0]))
-            self._bias_loaded.update(range(len(self.parts)))
-            return
         indices = range(len(self.parts)) if part is None else [part]
         expected = sum(self.parts[i].size for i in indices)
-        if shape[0] != expected:
+        if tuple(shape) != (expected,):
             raise ValueError(f"bias: checkpoint shape {tuple(shape)} != ({expected},)")
         offset = 0
         with torch.no_grad():
