@@ -64,7 +64,7 @@ def test_text_seven_token_budget(text_case: tuple) -> None:
 
 def test_text_preemption(text_case: tuple) -> None:
     model_dir, prompts, expected = text_case
-    llm = LLM(model_dir, num_kv_blocks=12, block_size=32, max_num_batched_tokens=64)
+    llm = LLM(model_dir, num_kv_blocks=12, block_size=32, max_num_batched_tokens=64, max_step_ms=0)  # token budgets only
     check(llm, prompts, expected, TEXT_GREEDY)
     assert llm.stats().num_preemptions > 0
 
