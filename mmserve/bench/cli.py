@@ -489,17 +489,9 @@ def _add_bench_router_parser(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_router(args: argparse.Namespace) -> int:
     from mmserve.bench.router import bench_router, format_report, plot_router
 
-    try:
-        cfg = config_from_options(RouterBenchConfig, args)
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
+    report = _run_config_bench(RouterBenchConfig, args, bench_router, format_report)
+    if report is None:
         return 2
-    report = bench_router(_bench_model(args.model), cfg)
-    print(format_report(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
     if args.plot is not None:
         for path in plot_router(report, args.plot):
             print(f"wrote {path}")
@@ -520,18 +512,24 @@ def _add_bench_kv_cache_parser(bench_sub: argparse._SubParsersAction) -> None:
 def _bench_kv_cache(args: argparse.Namespace) -> int:
     from mmserve.bench.kv_cache import bench_kv_cache, format_report
 
+    return 0 if _run_config_bench(KVCacheBenchConfig, args, bench_kv_cache, format_report) is not None else 2
+
+
+def _run_config_bench(cls: type, args: argparse.Namespace, bench: Any, format_report: Any) -> dict | None:
+    """A bench whose options are `cls`'s fields: runs `bench(model, config)`, prints its report and writes
+    --json; None (after saying why) when the options do not make a valid config."""
     try:
-        cfg = config_from_options(KVCacheBenchConfig, args)
+        cfg = config_from_options(cls, args)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
-        return 2
-    report = bench_kv_cache(_bench_model(args.model), cfg)
+        return None
+    report = bench(_bench_model(args.model), cfg)
     print(format_report(report))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
-    return 0
+    return report
 
 
 def _add_bench_quantization_parser(bench_sub: argparse._SubParsersAction) -> None:
