@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mmserve.bench.cli import add_bench_parser, run_bench_command
-from mmserve.config import KV_CACHE_DTYPE_NAMES
+from mmserve.config import KV_CACHE_DTYPE_NAMES, QUANT_COMPUTE_CHOICES
 from mmserve.demo.cli import DEMO_COMMANDS, add_demo_parsers, run_demo_command
 from mmserve.slo_flags import add_slo_planner_flags
 
@@ -230,6 +230,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "their largest magnitude) instead of the checkpoint's or 1.0",
     )
     serve.add_argument(
+        "--quant-compute",
+        default=None,
+        choices=list(QUANT_COMPUTE_CHOICES),
+        help="a quantized checkpoint's compute path: dequantized (weights dequantized once at load: full memory, "
+        "the fastest on the CPU), native (codes kept: int4 / int8 / fp8 kernels), or auto (native where it measures "
+        "acceptable: int4, int8 x int8, fp8 GEMMs on GPUs that have them) (default: $MMSERVE_QUANT_COMPUTE, else "
+        "auto)",
+    )
+    serve.add_argument(
         "--kv-cache-memory",
         type=int,
         default=None,
@@ -373,6 +382,7 @@ def _serve(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory,
             kv_cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales,
+            quant_compute=args.quant_compute,
             max_model_len=args.max_model_len,
             scheduler_policy=args.scheduler_policy,
             enable_prefix_caching=not args.no_prefix_caching,

@@ -10,6 +10,7 @@ from mmserve.scheduler.policy import POLICIES
 
 ADMISSION_MODES = ("off", "downgrade", "reject")
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # the keys of kernels/fp8.py's KV_CACHE_DTYPES
+QUANT_COMPUTE_CHOICES = ("auto", "dequantized", "native")  # models/quant/linear.py's compute paths, or auto
 DEFAULT_INTERACTIVE_SLO = SLO(ttft_ms=1000.0, tbt_ms=100.0)  # a person chatting
 DEFAULT_BATCH_SLO = SLO()  # throughput work: no target
 
@@ -201,6 +202,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # FP8 cache: set each layer's scales from the first step's K/V instead (vLLM's calculate_kv_scales).
     calculate_kv_scales: bool = False
+    # A quantized checkpoint's compute path: "auto", "dequantized" (full weights at load) or "native" (codes kept);
+    # None: $MMSERVE_QUANT_COMPUTE, else auto. See models/quant/linear.py.
+    quant_compute: str | None = None
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"
     max_model_len: int | None = None
@@ -252,6 +256,11 @@ class EngineArgs:
             raise InvalidRequestError(
                 f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}",
                 param="kv_cache_dtype",
+            )
+        if self.quant_compute is not None and self.quant_compute not in QUANT_COMPUTE_CHOICES:
+            raise InvalidRequestError(
+                f"quant_compute: must be one of {', '.join(QUANT_COMPUTE_CHOICES)} or None, got {self.quant_compute!r}",
+                param="quant_compute",
             )
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:

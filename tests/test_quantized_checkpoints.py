@@ -18,6 +18,7 @@ errors for unsupported schemes, misshapen tensors, splits off a group boundary, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -32,10 +33,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mmserve import LLM, SamplingParams
+from mmserve.config import EngineArgs
 from mmserve.distributed.group import TensorParallelGroup
+from mmserve.engine.core import _approx_weight_bytes
+from mmserve.errors import InvalidRequestError
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.loader import load_decoder
+from mmserve.models.quant import linear as quant_linear
 from mmserve.models.quant.formats import Span, read_local, to_canonical
 from mmserve.models.quant.linear import QUANT_COMPUTE_ENV, ComputePath, QuantizedLinear, resolve_compute_path
 from mmserve.models.quant.scheme import parse_quantization_config
@@ -71,8 +76,8 @@ def _compute_path(path: str) -> Iterator[None]:
 
 
 def _llm(model_dir: Path, path: str, **settings: object) -> LLM:
-    with _compute_path(path):
-        return LLM(model_dir, **{"num_kv_blocks": 256, **settings})  # 4096 tokens: every test's batch at once
+    # 4096 tokens: every test's batch at once
+    return LLM(model_dir, **{"num_kv_blocks": 256, "quant_compute": path, **settings})
 
 
 _MAX_OPEN_ENGINES = 6
@@ -227,6 +232,29 @@ def test_activation_quantized_formats_match_transformers_teacher_forced(fmt: str
     check_teacher_forced(engine(model_dir, path), prompts, hf_reference(model_dir, prompts))
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_engine_runs_int4_layers_through_the_w4a16_kernel_it_picked(quantized: Callable, engine: Callable,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """MMSERVE_W4A16_BACKEND=triton (here in Triton's interpreter, the conftest's TRITON_INTERPRET=1): the engine's
+    int4 layers run the Triton kernel and give the torch twin's tokens, logprobs within fp32 summation order."""
+    model_dir, _ = quantized("qwen3", "w4a16-asym")
+    prompts, params = _prompts()[:2], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
+    expected = engine(model_dir, "native").generate(prompts, params)
+    monkeypatch.setenv("MMSERVE_W4A16_BACKEND", "triton")
+    with _llm(model_dir, "native") as llm:
+        got = llm.generate(prompts, params)
+    for a, b in zip(got, expected, strict=True):
+        assert a.token_ids == b.token_ids
+        chosen = [(x[t], y[t]) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids, strict=True)]
+        assert all(abs(x - y) < 1e-4 for x, y in chosen)
+    # The runner consulted the choice at load: compiled Triton kernels cannot run on the CPU, and say so.
+    from mmserve.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        _llm(model_dir, "native")
+
+
 def test_awq_and_compressed_tensors_asymmetric_int4_of_the_same_weights_give_the_same_output(
     quantized: Callable,
 ) -> None:
@@ -296,6 +324,9 @@ def test_the_native_path_holds_the_quantized_bytes_and_the_dequantized_path_full
     quantized_projections = sum(stored_bytes(n, k) for n, k in _projections(cfg))
     assert held["native"] == held["dequantized"] - dense_projections + quantized_projections
     assert held["native"] < 0.6 * held["dequantized"]
+    # What sizes a GPU's KV pool before the weights load (fp32 here, the engine's CPU default; no norms counted)
+    for path in PATHS:
+        assert _approx_weight_bytes(cfg, torch.float32, path) == pytest.approx(held[path], rel=0.01), path
 
 
 def test_the_compute_path_knob() -> None:
@@ -310,6 +341,59 @@ def test_the_compute_path_knob() -> None:
         assert resolve_compute_path(scheme_fp8, "dequantized") is ComputePath.DEQUANTIZED  # the keyword wins
     with pytest.raises(ValueError, match="auto, dequantized or native"):
         resolve_compute_path(scheme_w4, "fast")
+    with pytest.raises(InvalidRequestError, match="quant_compute"):
+        EngineArgs("unused", quant_compute="fast")
+
+
+def test_auto_runs_fp8_gemms_where_the_device_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 per-channel weights with per-token fp8 activations: dequantized at load on the CPU, native (fp8 GEMMs)
+    where `torch._scaled_mm` has fp8 kernels; block-wise fp8 dequantized either way."""
+    dynamic = parse_quantization_config(_fp8_dynamic_config())
+    block = parse_quantization_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert dynamic is not None and block is not None
+    scheme, scheme_block = dynamic.groups[0].scheme, block.groups[0].scheme
+    cuda = torch.device("cuda")
+    assert resolve_compute_path(scheme, "auto", torch.device("cpu")) is ComputePath.DEQUANTIZED
+    monkeypatch.setattr(quant_linear, "fp8_gemm_available", lambda device: device.type == "cuda")
+    assert resolve_compute_path(scheme, "auto", cuda) is ComputePath.NATIVE
+    assert resolve_compute_path(scheme_block, "auto", cuda) is ComputePath.DEQUANTIZED
+
+
+def _fp8_dynamic_config() -> dict:
+    scheme = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+              "symmetric": True, "dynamic": False}, "input_activations": {"num_bits": 8, "type": "float",
+              "strategy": "token", "symmetric": True, "dynamic": True}}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": scheme}}
+
+
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "fp8-dynamic"])
+def test_fp8_gemms_equal_the_dequantized_weights(fmt: str, quantized: Callable,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The native path's fp8 x fp8 GEMM (`torch._scaled_mm` with row-wise scales: on GPUs with fp8 tensor cores,
+    and here on the CPU's own `_scaled_mm`, forced) against the same codes dequantized: every projection's output
+    equal up to the order of fp32 sums."""
+    model_dir, _ = quantized("qwen3", fmt)
+    dequantized = _shard(model_dir, 0, 1, "dequantized")
+    monkeypatch.setattr(quant_linear, "fp8_gemm_available", lambda device: True)
+    native = _shard(model_dir, 0, 1, "native")
+    calls = 0
+    original = QuantizedLinear._fp8_matmul
+
+    def counted(self: QuantizedLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(self, x, bias)
+
+    monkeypatch.setattr(QuantizedLinear, "_fp8_matmul", counted)
+    torch.manual_seed(0)
+    layers = [(n, m) for n, m in native.named_modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.fp8_matmul and m.weight is None for _, m in layers)
+    with torch.inference_mode():
+        for name, layer in layers:
+            x = torch.randn(7, layer.in_features)
+            expected = dequantized.get_submodule(name)(x)
+            assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-5), name
+    assert calls == len(layers)
 
 
 # -------------------------------------------------------------------------------------- tensor parallelism

@@ -611,3 +611,29 @@ def test_w4a16_launches_fit_the_batch(compile_report: dict, case: dict) -> None:
         assert launch["HAS_ZEROS"] == case["zeros"] and launch["HAS_BIAS"] == (launch["layer"] == "qkv")
         tiles = launch["grid"][0] * launch["grid"][1]
         assert launch["grid"][2] == 1 or tiles < ARCHS[launch["arch"]]
+
+
+def test_w4a16_dispatch_defaults_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton on CUDA (where installed), the torch twin elsewhere; MMSERVE_W4A16_BACKEND overrides."""
+    from mmserve.kernels.dispatch import get_w4a16_backend
+
+    monkeypatch.delenv("MMSERVE_W4A16_BACKEND", raising=False)
+    backend = get_w4a16_backend(torch.device("cpu"))
+    assert backend.name == "torch" and backend.w4a16_linear is quant.w4a16_linear
+    monkeypatch.setenv("MMSERVE_W4A16_BACKEND", "torch")
+    assert get_w4a16_backend(torch.device("cuda")).w4a16_linear is quant.w4a16_linear
+    monkeypatch.setenv("MMSERVE_W4A16_BACKEND", "marlin")
+    with pytest.raises(ValueError, match="not available"):
+        get_w4a16_backend(torch.device("cpu"))
+
+
+@triton_here
+def test_w4a16_dispatch_picks_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmserve.kernels.dispatch import get_w4a16_backend
+
+    monkeypatch.setenv("MMSERVE_W4A16_BACKEND", "triton")
+    backend = get_w4a16_backend(DEVICE)
+    assert backend.name == "triton" and backend.w4a16_linear is triton_w4a16.w4a16_linear
+    monkeypatch.delenv("MMSERVE_W4A16_BACKEND")
+    if DEVICE.type == "cuda":
+        assert get_w4a16_backend(DEVICE).name == "triton"

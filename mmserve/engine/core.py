@@ -31,6 +31,7 @@ from mmserve.engine.structured_output import StructuredOutputManager
 from mmserve.kernels.fp8 import KV_CACHE_DTYPES, kv_cache_dtype_name
 from mmserve.models.config import DecoderConfig
 from mmserve.models.parallel import check_tensor_parallel
+from mmserve.models.quant.linear import CPU, held_bytes_per_weight, resolve_compute_path
 from mmserve.request import Request, RequestStatus
 from mmserve.scheduler.output import EngineCoreOutput
 from mmserve.scheduler.scheduler import Scheduler, SchedulerStats
@@ -94,6 +95,7 @@ class EngineCore:
             runner = ModelRunner(
                 args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config,
                 kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                quant_compute=args.quant_compute,
             )  # fmt: skip
             return InProcessExecutor(runner)
         from mmserve.engine.multirank_executor import MultiRankExecutor
@@ -115,6 +117,7 @@ class EngineCore:
             mm_encoder_tp_mode=args.mm_encoder_tp_mode,
             kv_cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales,
+            quant_compute=args.quant_compute,
         )
 
     @property
@@ -336,7 +339,8 @@ class EngineCore:
         if memory is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                weight_bytes = _approx_weight_bytes(self.model_config, self.dtype) // self.tensor_parallel_size
+                weight_bytes = _approx_weight_bytes(self.model_config, self.dtype, args.quant_compute, self.device)
+                weight_bytes //= self.tensor_parallel_size
                 memory = int((free - weight_bytes) * _GPU_KV_CACHE_FRACTION)
             else:
                 # No more than every sequence at full length needs, capped by a fixed budget.
@@ -348,16 +352,34 @@ class EngineCore:
         return num_blocks
 
 
-def _approx_weight_bytes(cfg: DecoderConfig, dtype: torch.dtype) -> int:
+def _approx_weight_bytes(cfg: DecoderConfig, dtype: torch.dtype, quant_compute: str | None = None,
+                         device: torch.device = CPU) -> float:  # fmt: skip
     """The decoder's weights (not yet loaded when the pool is sized): attention, each layer's MLP (the dense
-    one, or the router and every expert of a MoE layer: most of a MoE model), the embeddings."""
-    attention = (
-        cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        + cfg.num_heads * cfg.head_dim * cfg.hidden_size
-    )
-    dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    moe_mlp = cfg.num_experts * (3 * cfg.hidden_size * cfg.moe_intermediate_size + cfg.hidden_size)
+    one, or the router and every expert of a MoE layer: most of a MoE model), the embeddings. A quantized
+    checkpoint's projections count as `quant_compute`'s path holds them on `device` (their first layer's scheme
+    stands for every layer's)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    # (checkpoint name, [N, K] of the projection)
+    attention = [("self_attn.q_proj", cfg.num_heads * d, h), ("self_attn.k_proj", cfg.num_kv_heads * d, h),
+                 ("self_attn.v_proj", cfg.num_kv_heads * d, h), ("self_attn.o_proj", h, cfg.num_heads * d)]  # fmt: skip
+    dense_mlp = [("mlp.gate_proj", cfg.intermediate_size, h), ("mlp.up_proj", cfg.intermediate_size, h),
+                 ("mlp.down_proj", h, cfg.intermediate_size)]  # fmt: skip
+
+    def held(projections: list[tuple[str, int, int]]) -> float:
+        total = 0.0
+        for name, n, k in projections:
+            scheme = None
+            if cfg.quantization is not None:
+                scheme = cfg.quantization.scheme_for(f"model.layers.0.{name}", f"model.language_model.layers.0.{name}")
+            per_weight = float(dtype.itemsize)
+            if scheme is not None:
+                path = resolve_compute_path(scheme, quant_compute, device)
+                per_weight = held_bytes_per_weight(scheme, path, dtype, k)
+            total += n * k * per_weight
+        return total
+
+    moe_mlp = cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h) * dtype.itemsize
     num_moe = len(cfg.moe_layers)
-    layers = attention * cfg.num_layers + dense_mlp * (cfg.num_layers - num_moe) + moe_mlp * num_moe
-    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return (layers + embeddings) * dtype.itemsize
+    layers = held(attention) * cfg.num_layers + held(dense_mlp) * (cfg.num_layers - num_moe) + moe_mlp * num_moe
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) * dtype.itemsize
+    return layers + embeddings

@@ -29,7 +29,7 @@ from mmserve.encoders.vision import VisionTower
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
-from mmserve.kernels.dispatch import get_attention_backend, get_moe_backend
+from mmserve.kernels.dispatch import get_attention_backend, get_moe_backend, get_w4a16_backend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
@@ -64,18 +64,22 @@ class ModelRunner:
         mm_encoder_tp_mode: str = "data",
         kv_cache_dtype: torch.dtype | None = None,
         calculate_kv_scales: bool = False,
+        quant_compute: str | None = None,
     ) -> None:
         """`mm_encoder_tp_mode` (several ranks): "data", the tower replicated and the step's media split
         over the ranks; "weights", the tower sharded like the decoder and every item encoded by all.
         `kv_cache_dtype`: the KV cache's element type (an FP8 one: `kernels/fp8.py`); None: `dtype`.
-        `calculate_kv_scales`: an FP8 cache's scales come from the first step's K/V, not the checkpoint."""
+        `calculate_kv_scales`: an FP8 cache's scales come from the first step's K/V, not the checkpoint.
+        `quant_compute`: a quantized checkpoint's compute path, auto | dequantized | native (None:
+        $MMSERVE_QUANT_COMPUTE, else auto; models/quant/linear.py)."""
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
         fused_moe = get_moe_backend(device).fused_moe if cfg.moe_layers else None
-        # Quantized layers keep their codes (integer tensors) and fp32 scales through the cast; their compute path
-        # is $MMSERVE_QUANT_COMPUTE (auto | dequantized | native; models/quant/linear.py).
-        model = load_decoder(model_dir, cfg, self.backend, tp, fused_moe)
+        # Quantized layers keep their codes (integer tensors) and fp32 scales through the cast.
+        quant_kernels = {} if cfg.quantization is None else {"w4a16_linear": get_w4a16_backend(device).w4a16_linear}
+        model = load_decoder(model_dir, cfg, self.backend, tp, fused_moe, quant_compute, device=torch.device(device),
+                             **quant_kernels)  # fmt: skip
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = rotary_embedding(cfg).to(device)

@@ -97,6 +97,7 @@ class MultiRankExecutor:
         mm_encoder_tp_mode: str = "data",
         kv_cache_dtype: str = "auto",  # a name of kernels/fp8.py's KV_CACHE_DTYPES
         calculate_kv_scales: bool = False,
+        quant_compute: str | None = None,
     ) -> None:
         """Starts ranks 1..num_local_ranks-1 here (all of them by default); the others (another
         node) join by themselves through the store at `host:port` (`rank_worker`'s torchrun mode);
@@ -154,7 +155,7 @@ class MultiRankExecutor:
             env = {k: v for k, v in os.environ.items() if k.startswith("MMSERVE_")}  # e.g. the attention backend
             runner_spec = RunnerSpec(
                 model_dir, device.type, first_index, dtype_name, num_blocks, block_size, timeout_s, num_threads,
-                mm_encoder_tp_mode, env, kv_cache_dtype, calculate_kv_scales,
+                mm_encoder_tp_mode, env, kv_cache_dtype, calculate_kv_scales, quant_compute,
             )  # fmt: skip
             self._store.set(RUNNER_KEY, runner_spec.to_json())
             for rank in range(1, self._num_local):
@@ -163,7 +164,7 @@ class MultiRankExecutor:
             self.tp = TensorParallelGroup.join(self._store, 0, world_size, device, timeout_s)
             self._runner = ModelRunner(
                 model_dir, cfg, device, dtype, num_blocks, block_size, hf_config, self.tp, mm_encoder_tp_mode,
-                KV_CACHE_DTYPES[kv_cache_dtype], calculate_kv_scales,
+                KV_CACHE_DTYPES[kv_cache_dtype], calculate_kv_scales, quant_compute,
             )  # fmt: skip
             self._await_ready(checkpoint_fingerprint(model_dir))
         except BaseException:

@@ -80,6 +80,7 @@ class RunnerSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # the first rank's MMSERVE_* variables
     kv_cache_dtype: str = "auto"  # a name of kernels/fp8.py's KV_CACHE_DTYPES
     calculate_kv_scales: bool = False
+    quant_compute: str | None = None  # EngineArgs.quant_compute
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -183,6 +184,7 @@ def _build_runner(spec: RunnerSpec, device: torch.device, tp: TensorParallelGrou
         spec.mm_encoder_tp_mode,
         KV_CACHE_DTYPES[spec.kv_cache_dtype],
         spec.calculate_kv_scales,
+        spec.quant_compute,
     )
 
 

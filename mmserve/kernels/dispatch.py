@@ -1,7 +1,8 @@
 """Chooses the attention backend once at start-up: triton on CUDA; on the CPU the C decode kernel
 (`cpu`) where it compiles, else the torch reference (`torch`). `MMSERVE_ATTENTION_BACKEND=torch|cpu|triton`
 overrides. Triton is imported only when chosen. `get_moe_backend` picks the MoE experts the same way
-(`MMSERVE_MOE_BACKEND=torch|triton`: triton on CUDA, the torch reference otherwise)."""
+(`MMSERVE_MOE_BACKEND=torch|triton`: triton on CUDA, the torch reference otherwise), and `get_w4a16_backend` the
+int4-weight linear layers' kernel (`MMSERVE_W4A16_BACKEND=torch|triton`, likewise)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.kernels import cpu_attention, moe, reference
+from mmserve.kernels import cpu_attention, moe, quant, reference
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -98,6 +99,7 @@ def get_moe_backend(device: torch.device) -> MoEBackend:
 
 
 def default_moe_backend(device: torch.device) -> str:
+    """triton on CUDA where it is installed, else torch: also the int4-weight linear layers' default."""
     on_cuda = torch.device(device).type == "cuda"
     return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch"
 
@@ -108,3 +110,23 @@ def _triton_moe_backend(device: torch.device) -> MoEBackend:
 
     _check_triton_kernels("MMSERVE_MOE_BACKEND", device, triton_moe.CONSISTENT, triton_moe.INTERPRETED)
     return MoEBackend("triton", triton_moe.fused_moe)
+
+
+W4A16_BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class W4A16Backend:
+    name: str
+    w4a16_linear: Callable[..., torch.Tensor]  # quant.w4a16_linear's signature
+
+
+def get_w4a16_backend(device: torch.device) -> W4A16Backend:
+    name = _chosen("MMSERVE_W4A16_BACKEND", default_moe_backend(device), W4A16_BACKENDS)
+    if name == "triton":
+        _require_triton("MMSERVE_W4A16_BACKEND")
+        from mmserve.kernels import triton_w4a16
+
+        _check_triton_kernels("MMSERVE_W4A16_BACKEND", device, triton_w4a16.CONSISTENT, triton_w4a16.INTERPRETED)
+        return W4A16Backend("triton", triton_w4a16.w4a16_linear)
+    return W4A16Backend("torch", quant.w4a16_linear)

@@ -20,11 +20,12 @@ from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.kernels.dispatch import AttentionBackend
+from mmserve.kernels.quant import w4a16_linear
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import Decoder
 from mmserve.models.moe import Experts, FusedMoE
 from mmserve.models.quant.formats import WHOLE
-from mmserve.models.quant.linear import QuantizedLinear, replace_with_quantized
+from mmserve.models.quant.linear import CPU, QuantizedLinear, W4A16Linear, replace_with_quantized
 from mmserve.models.quant.scheme import LinearScheme
 
 # Checkpoint name (after prefix normalisation) -> (our module, part index) for fused projections.
@@ -92,15 +93,18 @@ def _float_reader(read: object, key: str, dtype: str) -> object:
 
 def load_decoder(model_dir: str | Path, cfg: DecoderConfig, backend: AttentionBackend,
                  tp: TensorParallelGroup | None = None, fused_moe: FusedMoE | None = None,
-                 quant_compute: str | None = None) -> Decoder:  # fmt: skip
+                 quant_compute: str | None = None, w4a16_linear: W4A16Linear = w4a16_linear,
+                 device: torch.device = CPU) -> Decoder:  # fmt: skip
     """This rank's decoder with its weights loaded, on the CPU in the checkpoint's precision (fp32 for quantized
-    layers' dequantized weights; their codes and scales as they are); the caller casts and moves it.
+    layers' dequantized weights; their codes and scales as they are); the caller casts and moves it to `device`.
     `quant_compute`: the quantized layers' compute path, "auto" | "dequantized" | "native" (None:
-    $MMSERVE_QUANT_COMPUTE, else auto; see models/quant/linear.py)."""
+    $MMSERVE_QUANT_COMPUTE, else auto for `device`; see models/quant/linear.py); `w4a16_linear` the int4 layers'
+    native kernel."""
     with torch.device("meta"):
         model = Decoder(cfg, backend, tp, fused_moe)
         if cfg.quantization is not None:
-            replace_with_quantized(model, quantized_layers(model_dir, cfg), quant_compute)
+            layers = quantized_layers(model_dir, cfg)
+            replace_with_quantized(model, layers, quant_compute, w4a16_linear, device)
     model = model.to_empty(device="cpu")
     model.reset_kv_scales()  # to_empty left them uninitialised; the checkpoint may then set them
     if cfg.tie_word_embeddings:

@@ -1,7 +1,8 @@
 """Dynamic symmetric quantization of a linear layer's input, per token (or per token and run of columns), as
 compressed-tensors defines it: scale = max |x| / (q_max - q_min) * 2, codes = clamp(x / scale) rounded to the format
 (round half to even for int8, the nearest fp8 e4m3 value for fp8). `fake_quantize` returns the values the codes
-stand for; `quantize_int8` the codes and scales themselves (for an int8 x int8 matmul). Computed in fp32 whatever
+stand for; `quantize_int8` and `quantize_fp8` the codes and scales themselves (for an int8 x int8 or fp8 x fp8
+matmul). Computed in fp32 whatever
 the input's dtype. Knows nothing of weights."""
 
 from __future__ import annotations
@@ -48,4 +49,13 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = _grouped(x.float(), None)  # [M, 1, K]
     scale = _scales(groups, Codes.INT8)
     codes = (groups / scale).clamp_(INT8_MIN, INT8_MAX).round_().to(torch.int8)
+    return codes.view(x.shape), scale.view(-1, 1)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn codes [M, K], fp32 scales [M, 1]), one scale per token: the codes and scales
+    whose products `fake_quantize` returns for per-token fp8."""
+    groups = _grouped(x.float(), None)  # [M, 1, K]
+    scale = _scales(groups, Codes.FP8)
+    codes = (groups / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.view(x.shape), scale.view(-1, 1)
