@@ -1,6 +1,7 @@
 """Every Triton kernel compiled to a cubin for sm_90 and sm_80 on the CPU (no GPU needed): paged attention
 (single pass and split-KV, decode and chunk tiles), the split reduce and the KV store, at the constexprs and
-launch options the engine's own launch code picks for each model's per-rank heads under tensor parallelism.
+launch options the engine's own launch code picks for each model's per-rank heads under tensor parallelism;
+the MoE experts' kernels and the W4A16 linear kernel at real models' shapes, the same way.
 
 How the launch values are derived: a fresh subprocess (TRITON_INTERPRET unset, so the kernels are real
 `JITFunction`s and the modules' INTERPRETED flags are False for real, with no patching of them) calls the
@@ -143,18 +144,18 @@ class _Recorder:
         self.kernel, self.launches = kernel, launches
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+        return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
 
 
-def _record_launches(case: dict, num_sms: int) -> list[tuple[str, object, tuple, dict]]:
-    """(batch, kernel, args, kwargs) of every launch the engine makes for `case`'s batches on this GPU."""
+def _record_launches(case: dict, num_sms: int) -> list[tuple[str, object, object, tuple, dict]]:
+    """(batch, kernel, grid, args, kwargs) of every launch the engine makes for `case`'s batches on this GPU."""
     import torch
 
     from mmserve.kernels import triton_attention as ta
     from mmserve.kernels import triton_cache as tc
 
     kernels = (ta._paged_attention_kernel, ta._reduce_splits_kernel, tc._store_kv_cache_kernel, ta._num_sms)
-    out: list[tuple[str, object, tuple, dict]] = []
+    out: list[tuple[str, object, object, tuple, dict]] = []
     launches: list = []
     try:
         ta._paged_attention_kernel = _Recorder(kernels[0], launches)
@@ -263,10 +264,10 @@ def _describe(kernel, signature: dict, constexprs: dict, options, arch: int) -> 
 
 
 def _compile_launches(
-    cases: list[dict], record: Callable[[dict, int], list[tuple[str, object, tuple, dict]]]
+    cases: list[dict], record: Callable[[dict, int], list[tuple[str, object, object, tuple, dict]]]
 ) -> tuple[dict[str, list[dict]], dict[str, dict]]:
-    """Every launch `record(case, num_sms)` makes, per case and GPU, compiled once per distinct key:
-    (launches per case id, compile result per key)."""
+    """Every launch `record(case, num_sms)` makes (batch, kernel, grid, args, kwargs), per case and GPU,
+    compiled once per distinct key: (launches per case id, compile result per key)."""
     from triton.backends.compiler import GPUTarget
 
     launches: dict[str, list[dict]] = {}
@@ -275,7 +276,7 @@ def _compile_launches(
         launches[case["id"]] = []
         for arch, num_sms in ARCHS.items():
             target = GPUTarget("cuda", arch, 32)  # CUDA warps are 32 threads
-            for batch, kernel, args, kwargs in record(case, num_sms):
+            for batch, kernel, grid, args, kwargs in record(case, num_sms):
                 options, signature, constexprs, attrs = _specialize(kernel, args, kwargs, target)
                 names = kernel.arg_names
                 # The engine's constexprs (upper case), pointer dtypes and launch options make the key; the
@@ -284,8 +285,9 @@ def _compile_launches(
                 values = {names[i[0]]: v for i, v in constexprs.items() if names[i[0]].isupper()}
                 pointers = {k: v for k, v in signature.items() if v.startswith("*")}
                 key = repr((kernel.__name__, arch, sorted(values.items()), sorted(pointers.items()), options))
+                grid = list(grid) if isinstance(grid, tuple) else None  # a callable grid: decided at launch
                 launches[case["id"]].append(
-                    dict(batch=batch, kernel=kernel.__name__, arch=arch, key=key, **values)
+                    dict(batch=batch, kernel=kernel.__name__, arch=arch, key=key, grid=grid, **values)
                 )
                 todo.setdefault(key, (kernel, signature, constexprs, attrs, options, target))
     log = _ThreadLog()
@@ -442,14 +444,14 @@ def _moe_cases() -> list[dict]:
     ]
 
 
-def _record_moe_launches(case: dict) -> list[tuple[str, object, tuple, dict]]:
-    """(batch, kernel, args, kwargs) of every launch `triton_moe.fused_moe` makes for `case`'s batches."""
+def _record_moe_launches(case: dict) -> list[tuple[str, object, object, tuple, dict]]:
+    """(batch, kernel, grid, args, kwargs) of every launch `triton_moe.fused_moe` makes for `case`'s batches."""
     import torch
 
     from mmserve.kernels import triton_moe as tm
 
     kernels = (tm._fused_moe_kernel, tm._silu_and_mul_kernel)
-    out: list[tuple[str, object, tuple, dict]] = []
+    out: list[tuple[str, object, object, tuple, dict]] = []
     launches: list = []
     try:
         tm._fused_moe_kernel = _Recorder(kernels[0], launches)
@@ -526,3 +528,123 @@ def test_every_moe_path_was_launched(moe_report: dict, case: dict) -> None:
             assert [mine[0]["MUL_ROUTED_WEIGHT"], mine[2]["MUL_ROUTED_WEIGHT"]] == [False, True]
             assert mine[0]["DOT_FP32"] == (case["dtype"] == "float32")
             assert (mine[0]["BLOCK_M"] == 16) == (batch == "decode")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The W4A16 linear kernel (`triton_w4a16`): the same recorder, binder and compile path (`_w4a16_main`), at
+# the launches `triton_w4a16.w4a16_linear` makes for a Qwen2-VL decoder layer's int4 projections.
+
+W4A16_MODELS = (("qwen2-vl-2b", 1536, 8960, 12, 2, 128), ("qwen2-vl-7b", 3584, 18944, 28, 4, 128))
+# (name, group_size, zero points): GPTQ-style symmetric and AWQ-style asymmetric, both with groups of 128.
+W4A16_SCHEMES = (("sym-g128", 128, False), ("asym-g128", 128, True))
+W4A16_ROWS = {"decode": 8, "prefill": 512}
+
+
+def _w4a16_layers(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """layer -> (N, K, bias) of a Qwen2 decoder layer (q/k/v fused, gate/up fused)."""
+    return {
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden, True),
+        "o": (hidden, heads * head_dim, False),
+        "gate_up": (2 * intermediate, hidden, False),
+        "down": (hidden, intermediate, False),
+    }
+
+
+def _w4a16_cases() -> list[dict]:
+    cases = [
+        dict(id=f"{model[0]}-{scheme}-{_SHORT[dtype]}", model=model, group_size=g, zeros=z, dtype=dtype,
+             rows=W4A16_ROWS)
+        for model in W4A16_MODELS
+        for scheme, g, z in W4A16_SCHEMES
+        for dtype in ("bfloat16", "float16")
+    ]
+    # Groups of 32 (the K step shrinks to a group), the middle M tiles, and fp32's exact dots.
+    small = W4A16_MODELS[0]
+    cases += [
+        dict(id="qwen2-vl-2b-asym-g32-bf16", model=small, group_size=32, zeros=True, dtype="bfloat16",
+             rows=W4A16_ROWS),
+        dict(id="qwen2-vl-2b-asym-g128-bf16-m32-m64", model=small, group_size=128, zeros=True, dtype="bfloat16",
+             rows={"m32": 32, "m64": 64}),
+        dict(id="qwen2-vl-2b-sym-g128-fp32", model=small, group_size=128, zeros=False, dtype="float32",
+             rows=W4A16_ROWS),
+    ]  # fmt: skip
+    return cases
+
+
+def _record_w4a16_launches(case: dict, num_sms: int) -> list[tuple[str, object, object, tuple, dict]]:
+    """("layer rows", kernel, grid, args, kwargs) of every launch the entry point makes for the case's layers."""
+    import torch
+
+    from mmserve.kernels import triton_w4a16 as tw
+
+    kernel, num_sms_fn = tw._w4a16_kernel, tw._num_sms
+    launches: list = []
+    out: list[tuple[str, object, object, tuple, dict]] = []
+    try:
+        tw._w4a16_kernel = _Recorder(kernel, launches)
+        tw._num_sms = lambda device: num_sms
+        dtype = getattr(torch, case["dtype"])
+        g = case["group_size"]
+        for layer, (n, k, has_bias) in _w4a16_layers(*case["model"][1:]).items():
+            # As a loader makes them (torch.empty only reserves address space: nothing touches it).
+            qweight = torch.empty(n, k // 8, dtype=torch.int32)
+            scales = torch.empty(n, k // g, dtype=dtype)
+            zeros = torch.empty(n, k // g, dtype=torch.uint8) if case["zeros"] else None
+            bias = torch.empty(n, dtype=dtype) if has_bias else None
+            for rows_name, m in case["rows"].items():
+                tw.w4a16_linear(torch.empty(m, k, dtype=dtype), qweight, scales, zeros, g, bias)
+                out += [(f"{layer} {rows_name}", *launch) for launch in launches]
+                launches.clear()
+    finally:
+        tw._w4a16_kernel, tw._num_sms = kernel, num_sms_fn
+    return out
+
+
+def _w4a16_main(cases_path: str, out_path: str) -> None:
+    assert "TRITON_INTERPRET" not in os.environ
+    from mmserve.kernels import triton_w4a16 as tw
+
+    start = time.perf_counter()
+    launches, results = _compile_launches(json.loads(Path(cases_path).read_text()), _record_w4a16_launches)
+    report = dict(
+        interpreted=tw.INTERPRETED, launches=launches, results=results, seconds=time.perf_counter() - start
+    )
+    Path(out_path).write_text(json.dumps(report))
+
+
+W4A16_CASES = _w4a16_cases()
+
+
+@pytest.fixture(scope="module")
+def w4a16_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return _compile_in_subprocess(tmp_path_factory.mktemp("triton-w4a16-compile"), W4A16_CASES, "_w4a16_main")
+
+
+def test_w4a16_launch_values_are_the_gpu_ones(w4a16_report: dict) -> None:
+    assert w4a16_report["interpreted"] is False
+    print(f"\n{len(w4a16_report['results'])} distinct W4A16 compiles in {w4a16_report['seconds']:.1f} s")
+
+
+@pytest.mark.parametrize("case", W4A16_CASES, ids=[c["id"] for c in W4A16_CASES])
+def test_w4a16_launches_compile(w4a16_report: dict, case: dict) -> None:
+    failures = _compile_failures(w4a16_report, case["id"])
+    assert not failures, "\n".join(dict.fromkeys(failures))
+
+
+@pytest.mark.parametrize("case", W4A16_CASES, ids=[c["id"] for c in W4A16_CASES])
+def test_w4a16_launches_fit_the_batch(w4a16_report: dict, case: dict) -> None:
+    """Decode on the 16-row tile, prefill on the 64-row one; every layer launched on both archs; the K split
+    only at decode and only where a layer's output tiles leave SMs idle."""
+    launches = w4a16_report["launches"][case["id"]]
+    assert len(launches) == len(ARCHS) * 4 * len(case["rows"])
+    for launch in launches:
+        layer, rows = launch["batch"].split()
+        if rows == "decode":
+            assert launch["BLOCK_M"] == 16
+        if rows == "prefill":
+            assert launch["BLOCK_M"] == (32 if case["dtype"] == "float32" else 64)
+            assert launch["grid"][2] == 1
+        assert launch["GROUP_K"] and case["group_size"] % launch["BLOCK_K"] == 0
+        assert launch["HAS_ZEROS"] == case["zeros"] and launch["HAS_BIAS"] == (layer == "qkv")
+        tiles = launch["grid"][0] * launch["grid"][1]
+        assert launch["grid"][2] == 1 or tiles < ARCHS[launch["arch"]]

@@ -549,18 +549,7 @@ def _add_bench_quantization_parser(bench_sub: argparse._SubParsersAction) -> Non
 def _bench_quantization(args: argparse.Namespace) -> int:
     from mmserve.bench.quantization import QuantizationBenchConfig, bench_quantization, format_report
 
-    try:
-        cfg = config_from_options(QuantizationBenchConfig, args)
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    report = bench_quantization(_bench_model(args.model), cfg)
-    print(format_report(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
-    return 0
+    return 0 if _run_config_bench(QuantizationBenchConfig, args, bench_quantization, format_report) is not None else 2
 
 
 def _float_list(text: str) -> tuple[float, ...]:
