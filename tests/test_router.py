@@ -16,6 +16,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmserve.bench.load import send_http
 from mmserve.bench.metrics import RequestTiming
 from mmserve.bench.router import (
     SERVED_MODEL_NAME,
@@ -28,7 +29,7 @@ from mmserve.bench.router import (
     start_replicas,
     vllm_router_binary,
 )
-from mmserve.bench.serve import BenchRequest, send_http
+from mmserve.bench.workload import Request
 
 try:
     vllm_router_binary()
@@ -102,7 +103,7 @@ def text_families(seed: int, num_families: int, per_family: int) -> list[FamilyR
     rng = random.Random(seed)
     systems = [f"Family {seed}-{f}. " + words(rng, 90) for f in range(num_families)]
     out = [
-        FamilyRequest(f, BenchRequest(chat(f"Request {seed}-{f}-{i}: " + words(rng, 40), system=s)["messages"], 4))
+        FamilyRequest(f, Request(chat(f"Request {seed}-{f}-{i}: " + words(rng, 40), system=s)["messages"], 4))
         for f, s in enumerate(systems)
         for i in range(per_family)
     ]
@@ -151,10 +152,10 @@ def test_kv_events_announce_exactly_the_prompt_blocks_the_allocator_hashed(
     that follow from tokens, keys and parent with the allocator's own chain hash."""
     import numpy as np
 
-    from mmserve.bench.serve import _png_data_url
+    from mmserve.bench.workload import image_data_url
 
     url = replicas[0].url
-    image = _png_data_url(np.random.default_rng(11), 64)
+    image = image_data_url(np.random.default_rng(11), 64)
     body = chat("Describe the shapes in this picture in a few words, please.", system="You look at pictures.",
                 image=image)  # fmt: skip
     before = events.snapshot(url)
@@ -332,7 +333,7 @@ def test_a_killed_replica_fails_only_its_own_streams_and_rejoins_when_restarted(
         # Traffic goes on: the router retries around the dead replica and then stops sending it anything.
         before = finished(survivor.url)
         rng = random.Random(3)
-        requests = [FamilyRequest(0, BenchRequest(chat(words(rng, 12))["messages"], 4)) for _ in range(100)]
+        requests = [FamilyRequest(0, Request(chat(words(rng, 12))["messages"], 4)) for _ in range(100)]
         timings = asyncio.run(run_all(router.url, requests, concurrency=2))
         ok = sum(t.success for t in timings)
         assert ok >= 99, [t.error for t in timings if not t.success][:5]

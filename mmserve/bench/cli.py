@@ -654,8 +654,9 @@ def _bench_slo_mix(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     if args.workload == "slo-mix":
         return _bench_slo_mix(args)
+    from mmserve.bench.load import TRANSPORTS
     from mmserve.bench.metrics import parse_goodput
-    from mmserve.bench.serve import QUICK, TRANSPORTS, bench_serve, format_report
+    from mmserve.bench.serve import QUICK, bench_serve, format_report
 
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
     if not transports or set(transports) - set(TRANSPORTS):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mmserve.bench.workloads import Workload
+from mmserve.bench.workload import Workload
 
 
 def _hf_media_kwargs(

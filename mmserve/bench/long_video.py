@@ -12,15 +12,9 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-
 from mmserve import LLM, SamplingParams
+from mmserve.bench.workload import video_prompt
 from mmserve.engine.messages import StepRecord
-
-
-def _video_prompt(num_frames: int, size: int, seed: int) -> dict:
-    frames = np.random.default_rng(seed).integers(0, 255, (num_frames, size, size, 3), dtype=np.uint8)
-    return {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe the video.", "videos": [frames]}
 
 
 def run_once(
@@ -44,7 +38,7 @@ def run_once(
         max_step_ms=max_step_ms,
     )
     engine, processor = llm.engine, llm.processor
-    llm.generate([_video_prompt(4, frame_size, 1)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    llm.generate([video_prompt(4, frame_size, 1)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     decode = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for i in range(num_decodes):
         request, _ = processor.process(f"Tell story number {i} about a red circle.", decode, f"d{i}")
@@ -52,7 +46,7 @@ def run_once(
     for _ in range(4):  # all decodes running
         engine.step()
     video, _ = processor.process(
-        _video_prompt(num_frames, frame_size, 2), SamplingParams(max_tokens=1), "video"
+        video_prompt(num_frames, frame_size, 2), SamplingParams(max_tokens=1), "video"
     )
     # One input holding every group (Qwen2/2.5-VL), or one input per group (Qwen3-VL: timestamps between them).
     num_groups = sum(mm.num_groups for mm in video.mm_inputs)

@@ -6,7 +6,6 @@ records each step's features and wall time, fits `StepTimeModel` by least square
 
 from __future__ import annotations
 
-import io
 import json
 import statistics
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from mmserve.bench.workload import image_prompt, video_prompt
 from mmserve.scheduler.step_time import FEATURES, StepFeatures, StepTimeModel
 
 
@@ -38,23 +38,6 @@ QUICK_PROFILE = ProfileConfig(
     batch_sizes=(1, 4), prompt_lens=(8, 32), decode_steps=3, chunked_len=96, image_sizes=(56, 112),
     video_frames=(4,), video_size=56, max_num_batched_tokens=64, repeats=1,
 )  # fmt: skip
-
-
-def _image_prompt(size: int, seed: int) -> dict:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")  # images arrive encoded, as from a client
-    return {
-        "prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe the image.",
-        "images": [buf.getvalue()],
-    }
-
-
-def _video_prompt(num_frames: int, size: int, seed: int) -> dict:
-    frames = np.random.default_rng(seed).integers(0, 255, (num_frames, size, size, 3), dtype=np.uint8)
-    return {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe the video.", "videos": [frames]}
 
 
 def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple[StepTimeModel, dict]:
@@ -112,9 +95,9 @@ def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple
         run([text(cfg.chunked_len)], 2, "chunked-prefill")
         if is_mm:
             for size in cfg.image_sizes:
-                run([_image_prompt(size, int(rng.integers(1 << 30)))], 2, "image")
+                run([image_prompt(size, int(rng.integers(1 << 30)))], 2, "image")
             for frames in cfg.video_frames:
-                run([_video_prompt(frames, cfg.video_size, int(rng.integers(1 << 30)))], 2, "video")
+                run([video_prompt(frames, cfg.video_size, int(rng.integers(1 << 30)))], 2, "video")
     model = StepTimeModel.fit([(StepFeatures(**s["features"]), s["seconds"]) for s in samples])
     errors = [
         abs(model.predict(StepFeatures(**s["features"])) - s["seconds"]) / s["seconds"] for s in samples

@@ -32,17 +32,10 @@ import msgspec
 import numpy as np
 
 from mmserve.bench import RouterBenchConfig
+from mmserve.bench.load import cache_figures, scrape_cache_counters, send_http
 from mmserve.bench.metrics import RequestTiming, compute_metrics
-from mmserve.bench.serve import (
-    BenchRequest,
-    ServerProcess,
-    _png_data_url,
-    _random_text,
-    cache_figures,
-    scrape_cache_counters,
-    send_http,
-    wait_until_healthy,
-)
+from mmserve.bench.servers import ServerProcess, wait_until_healthy
+from mmserve.bench.workload import Request, image_data_url, load_tokenizer, random_text
 
 SERVED_MODEL_NAME = "bench"
 
@@ -319,7 +312,7 @@ class KVEventLog:
 @dataclass(frozen=True)
 class FamilyRequest:
     family: int
-    request: BenchRequest
+    request: Request
 
 
 def family_requests(
@@ -338,19 +331,19 @@ def family_requests(
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     out: list[FamilyRequest] = []
     for f in range(num_families):
-        image = _png_data_url(np_rng, image_size) if image_size is not None else None
-        system = _random_text(rng, system_len, tokenizer)
+        image = image_data_url(np_rng, image_size) if image_size is not None else None
+        system = random_text(rng, system_len, tokenizer)
         for i in range(requests_per_family):
-            user: Any = f"Request {seed}-{f}-{i}: " + _random_text(rng, user_len, tokenizer)
+            user: Any = f"Request {seed}-{f}-{i}: " + random_text(rng, user_len, tokenizer)
             if image is not None:
                 user = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": user}]
             messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-            out.append(FamilyRequest(f, BenchRequest(messages, output_len)))
+            out.append(FamilyRequest(f, Request(messages, output_len)))
     rng.shuffle(out)
     return out
 
 
-async def _prompt_tokens(client: Any, url: str, req: BenchRequest) -> list[int]:
+async def _prompt_tokens(client: Any, url: str, req: Request) -> list[int]:
     r = await client.post(f"{url}/tokenize", json={"model": SERVED_MODEL_NAME, "messages": req.messages})
     r.raise_for_status()
     return r.json()["tokens"]
@@ -430,9 +423,7 @@ def bench_router(model: Path, cfg: RouterBenchConfig) -> dict:
     prompts, the same shape), so none finds another's families in the caches."""
     from dataclasses import asdict
 
-    from mmserve.bench.serve import _load_tokenizer
-
-    tokenizer = _load_tokenizer(model)
+    tokenizer = load_tokenizer(model)
     replicas = start_replicas(model, cfg.num_replicas, num_kv_blocks=cfg.num_kv_blocks)
     results: dict[str, dict[str, dict]] = {}
     try:

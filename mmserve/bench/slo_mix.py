@@ -13,25 +13,20 @@ start (`calibrate`), so the same command stresses a slow and a fast CPU alike.""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import math
-import random
 import statistics
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from mmserve.bench.load import run_requests
 from mmserve.bench.metrics import PERCENTILES, RequestTiming, meets_slos, summarize_ms
-from mmserve.bench.serve import BenchRequest, _load_tokenizer, _png_data_url, _random_text, send_http
+from mmserve.bench.servers import InProcessServer
+from mmserve.bench.workload import BATCH, INTERACTIVE, Request, build_chats, build_mix, load_tokenizer
 
 POLICIES = ("fcfs", "priority", "slo")
-INTERACTIVE, BATCH = "interactive", "batch"
 
 
 @dataclass(frozen=True)
@@ -89,124 +84,14 @@ QUICK_MIX = MixConfig(
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class MixRequest:
-    service_class: str  # INTERACTIVE | BATCH
-    kind: str  # text | image | long-text | multi-image | video
-    messages: list[dict]
-    output_len: int
-    at_s: float  # send offset from the start of the load's phase
-
-    def body(self) -> dict[str, Any]:
-        """Identical for every policy: fcfs ignores both marks, priority reads `priority`, slo `service_tier`."""
-        batch = self.service_class == BATCH
-        return {
-            "messages": self.messages, "max_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True,
-            "service_tier": "flex" if batch else "default", "priority": 1 if batch else 0,
-        }  # fmt: skip
-
-
-def _mp4_data_url(rng: np.random.Generator, num_frames: int, size: int) -> str:
-    """A `num_frames / 2` s clip at 2 fps (the server samples 2 fps: every frame is kept), smooth
-    colour fields that drift, so it encodes small."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=2)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        base = rng.integers(0, 255, 3)
-        ramp = np.linspace(0, 255, size, dtype=np.float64)
-        for i in range(num_frames):
-            pixels = np.empty((size, size, 3), dtype=np.uint8)
-            for c in range(3):
-                pixels[..., c] = (
-                    (ramp[None, :] + ramp[:, None] * (c + 1) / 3 + base[c] + 9 * i) % 256
-                ).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return "data:video/mp4;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> list[MixRequest]:
-    """The batch backlog (all at offset 0) then the chats at Poisson offsets within `duration_s`."""
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
-    out = []
-    for i in range(cfg.num_batch):
-        kind = ("long-text", "multi-image", "video")[i % 3]
-        text = "Summarise this document.\n" + _random_text(rng, rng.randint(*cfg.batch_input_len), tokenizer)
-        if kind == "multi-image":
-            parts = [{"type": "image_url", "image_url": {"url": _png_data_url(np_rng, cfg.image_size)}}
-                     for _ in range(cfg.batch_images)]  # fmt: skip
-            content: str | list[dict] = [*parts, {"type": "text", "text": "Compare these images."}]
-        elif kind == "video":
-            url = _mp4_data_url(np_rng, cfg.video_frames, cfg.video_size)
-            content = [{"type": "video_url", "video_url": {"url": url}},
-                       {"type": "text", "text": "Describe what happens in the video."}]  # fmt: skip
-        else:
-            content = text
-        messages = [{"role": "user", "content": content}]
-        out.append(MixRequest(BATCH, kind, messages, rng.randint(*cfg.batch_output_len), 0.0))
-    t = 0.0
-    while True:
-        t += float(np_rng.exponential(1.0 / load))
-        if t >= cfg.duration_s:
-            break
-        out.append(_chat(cfg, rng, np_rng, tokenizer, t))
-    return out
-
-
-def build_chats(cfg: MixConfig, n: int, seed: int, tokenizer: Any | None) -> list[MixRequest]:
-    """`n` chats of the mix's shapes, all at offset 0."""
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
-    return [_chat(cfg, rng, np_rng, tokenizer, 0.0) for _ in range(n)]
-
-
-def _chat(
-    cfg: MixConfig, rng: random.Random, np_rng: np.random.Generator, tokenizer: Any | None, at_s: float
-) -> MixRequest:
-    text = _random_text(rng, rng.randint(*cfg.chat_input_len), tokenizer)
-    if rng.random() < cfg.chat_image_share:
-        content: str | list[dict] = [
-            {"type": "image_url", "image_url": {"url": _png_data_url(np_rng, cfg.image_size)}},
-            {"type": "text", "text": text},
-        ]
-        kind = "image"
-    else:
-        content, kind = text, "text"
-    messages = [{"role": "user", "content": content}]
-    return MixRequest(INTERACTIVE, kind, messages, rng.randint(*cfg.chat_output_len), at_s)
-
-
-async def run_phase(
-    url: str, requests: list[MixRequest]
-) -> tuple[list[tuple[MixRequest, RequestTiming]], float]:
-    """Send each request at its offset over streamed HTTP; returns (request, timing) pairs and the
-    phase's duration (first send to last finish)."""
-    import httpx
-
-    async with httpx.AsyncClient(
-        timeout=None, limits=httpx.Limits(max_connections=len(requests) + 4)
-    ) as client:
-
-        async def one(req: MixRequest, start: float) -> RequestTiming:
-            await asyncio.sleep(max(0.0, start + req.at_s - time.perf_counter()))
-            wire = req.body()
-            extra = {k: wire[k] for k in ("service_tier", "priority")}
-            return await send_http(client, url, BenchRequest(req.messages, req.output_len, extra), {})
-
-        start = time.perf_counter()
-        timings = await asyncio.gather(*(one(r, start) for r in requests))
-        duration = max((t.end_s for t in timings), default=start) - start
+def run_phase(url: str, requests: list[Request]) -> tuple[list[tuple[Request, RequestTiming]], float]:
+    """Each request at its offset over streamed HTTP: (request, timing) pairs and the phase's duration (first
+    send to last finish)."""
+    timings, duration, _ = asyncio.run(run_requests(url, requests, "http", progress=False, warm_up=False))
     return list(zip(requests, timings, strict=True)), duration
 
 
-def phase_metrics(pairs: list[tuple[MixRequest, RequestTiming]], duration_s: float, cfg: MixConfig) -> dict:
+def phase_metrics(pairs: list[tuple[Request, RequestTiming]], duration_s: float, cfg: MixConfig) -> dict:
     """Per class figures of one (policy, load) phase."""
     out: dict[str, Any] = {"duration_s": duration_s}
     rate_s = max(duration_s, 1e-9)  # a phase with no request at all lasts 0 s
@@ -313,17 +198,15 @@ def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool
     """Requests of `cfg`'s shapes on a fresh fcfs server: CALIBRATION_ALONE chats one at a time (TTFT and
     TPOT of an unloaded server), BURST_CHATS at once (the rate the machine finishes chats at when saturated),
     then one batch job of each kind together (how long the machine takes to prefill them)."""
-    from mmserve.bench.serve import InProcessServer
-
     chats = build_chats(cfg, CALIBRATION_ALONE + BURST_CHATS, cfg.seed + 10_000, tokenizer)
     jobs = build_mix(replace(cfg, num_batch=3), 1.0, cfg.seed + 20_000, tokenizer)[:3]
     server = InProcessServer(model, **cfg.engine_kwargs("fcfs"))
     try:
         url = server.url.rstrip("/")
-        asyncio.run(run_phase(url, [_warm_up()]))
-        alone = [asyncio.run(run_phase(url, [c]))[0][0][1] for c in chats[:CALIBRATION_ALONE]]
-        pairs, duration = asyncio.run(run_phase(url, chats[CALIBRATION_ALONE:]))
-        batch = [t for _, t in asyncio.run(run_phase(url, jobs))[0]]
+        run_phase(url, [_warm_up()])
+        alone = [run_phase(url, [c])[0][0][1] for c in chats[:CALIBRATION_ALONE]]
+        pairs, duration = run_phase(url, chats[CALIBRATION_ALONE:])
+        batch = [t for _, t in run_phase(url, jobs)[0]]
     finally:
         server.close()
     failed = [t.error for t in alone + [t for _, t in pairs] + batch if not t.success]
@@ -345,8 +228,8 @@ def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool
     return result
 
 
-def _warm_up() -> MixRequest:
-    return MixRequest(INTERACTIVE, "text", [{"role": "user", "content": "Warm up."}], 2, 0.0)
+def _warm_up() -> Request:
+    return Request([{"role": "user", "content": "Warm up."}], 2, at_s=0.0)
 
 
 def load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float, met: list[bool]) -> Iterator[float]:
@@ -375,9 +258,7 @@ def bench_slo_mix(
     """Every policy on every load (one in-process server per policy, all up for the whole run; the same
     requests for all, load by load). With `sweep`, the loads are its ladder (`load_ladder`): up until every
     policy misses the attainment bar, or down from the start until one meets it."""
-    from mmserve.bench.serve import InProcessServer
-
-    tokenizer = _load_tokenizer(model)
+    tokenizer = load_tokenizer(model)
     calibration: Calibration | None = None
     start = cfg.loads[0]
     if sweep is not None:
@@ -394,14 +275,14 @@ def bench_slo_mix(
     try:
         for policy in cfg.policies:
             servers[policy] = InProcessServer(model, **cfg.engine_kwargs(policy))
-            asyncio.run(run_phase(servers[policy].url.rstrip("/"), [_warm_up()]))
+            run_phase(servers[policy].url.rstrip("/"), [_warm_up()])
         met: list[bool] = []
         for i, load in enumerate(load_ladder(cfg, sweep, start, met)):
             requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
             key = f"{load:g}"
             phases[key] = _describe(requests)
             for policy, server in servers.items():
-                pairs, duration = asyncio.run(run_phase(server.url.rstrip("/"), requests))
+                pairs, duration = run_phase(server.url.rstrip("/"), requests)
                 m = results[policy][key] = phase_metrics(pairs, duration, cfg)
                 m["errors"] = sorted({t.error for _, t in pairs if t.error})[:5]
                 if progress:
@@ -491,7 +372,7 @@ def _capacity_ratio(entry: dict, fcfs: dict) -> float | None:
     return entry["capacity_rps"] / fcfs["capacity_rps"]
 
 
-def _describe(requests: list[MixRequest]) -> dict[str, int]:
+def _describe(requests: list[Request]) -> dict[str, int]:
     kinds: dict[str, int] = {}
     for r in requests:
         kinds[r.kind] = kinds.get(r.kind, 0) + 1

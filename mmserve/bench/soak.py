@@ -261,7 +261,7 @@ def run_soak(cfg: SoakConfig, model: Path | None = None, progress: bool = True) 
     tmp = None
     engine = None
     if cfg.url is None:
-        from mmserve.bench.serve import InProcessServer
+        from mmserve.bench.servers import InProcessServer
 
         if model is None:
             from mmserve.tiny_model import make_tiny_model

@@ -110,7 +110,7 @@ def comm_model(model_dir: Path, tp: int, num_tokens: int, dtype: torch.dtype) ->
 
 def _prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    # Ids well inside the vocabulary, away from the special tokens at its end (as workloads.py).
+    # Ids well inside the vocabulary, away from the special tokens at its end (as workload.py).
     return [[rng.randrange(100, vocab_size - 200) for _ in range(length)] for _ in range(num)]
 
 

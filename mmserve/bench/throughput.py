@@ -16,7 +16,7 @@ import torch
 
 from mmserve.bench import SYSTEMS, WORKLOADS
 from mmserve.bench.hf_baselines import load_hf_model, run_hf_cb, run_hf_static
-from mmserve.bench.workloads import (
+from mmserve.bench.workload import (
     Workload,
     long_video_workload,
     prefix_workload,

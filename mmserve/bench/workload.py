@@ -1,0 +1,433 @@
+"""The requests every `mmserve bench` command sends, and the media and text in them.
+
+Online (HTTP and WebSocket clients: `bench serve`, its `slo-mix`, the router bench): `Request`s, the OpenAI chat
+messages of one request with its output length, class and arrival, built by `build_requests` (random, random-mm,
+prefix, long-video) and `build_mix` / `build_chats` (slo-mix). Offline (`bench throughput`, `long-video`,
+`profile`): `Workload`s, token ids as the engine sees them (media placeholders expanded by mmserve's own
+processor), output lengths, media and arrival schedules, so every system runs exactly the same requests.
+Text is random ids decoded by the model's tokenizer (about the asked number of tokens) or random words;
+images random pixels; videos smooth drifting colour fields (small to send) at the server's sampling rate."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmserve.bench import WORKLOADS
+
+if TYPE_CHECKING:
+    from mmserve.bench.slo_mix import MixConfig
+
+INTERACTIVE, BATCH = "interactive", "batch"  # service classes (slo-mix): service_tier default / flex
+_WORDS = (
+    "the a red blue green circle square image video frame token cache block decode prefill model "
+    "server request stream latency batch of in on with and to is what why how describe count"
+).split()
+VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
+FIRST_VIDEO_STEP = 4  # offline long-video: steps after the text prefills before the first video arrives
+
+
+# ---------------------------------------------------------------------------------------- text and media
+
+
+def load_tokenizer(model: Path | None) -> Any | None:
+    if model is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def random_text(rng: random.Random, n: int, tokenizer: Any | None) -> str:
+    """About `n` prompt tokens: decoded random ids when a tokenizer is at hand, else random words."""
+    if tokenizer is None:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+    ids = [rng.randrange(100, max(101, len(tokenizer) - 300)) for _ in range(n)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def random_pixels(rng: np.random.Generator, size: int) -> np.ndarray:
+    return rng.integers(0, 255, (size, size, 3), dtype=np.uint8)  # [H, W, 3]
+
+
+def image_data_url(rng: np.random.Generator, size: int, image_format: str = "png") -> str:
+    """A random `size`^2 image as a data URL, PNG (lossless: every pixel as drawn) or JPEG (quality 90)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    if image_format == "jpeg":
+        Image.fromarray(random_pixels(rng, size)).save(buf, format="JPEG", quality=90)
+        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    Image.fromarray(random_pixels(rng, size)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def video_frames(rng: np.random.Generator, num_frames: int, size: int) -> np.ndarray:
+    """[T, size, size, 3] uint8: smooth colour fields that drift frame to frame (a random start), so a clip
+    encodes small."""
+    base = rng.integers(0, 255, 3)
+    ramp = np.linspace(0, 255, size, dtype=np.float64)
+    t = np.arange(num_frames, dtype=np.float64)[:, None, None]
+    channels = [(ramp[None, None, :] + ramp[None, :, None] * (c + 1) / 3 + base[c] + 9 * t) % 256 for c in range(3)]
+    return np.stack(channels, axis=-1).astype(np.uint8)
+
+
+def video_data_url(rng: np.random.Generator, num_frames: int, size: int) -> str:
+    """`video_frames` as an H.264 mp4 at the server's sampling rate (every frame is kept) in a data URL."""
+    from mmserve.demo.data import encode_mp4
+    from mmserve.encoders.media import DEFAULT_LIMITS
+
+    mp4 = encode_mp4(video_frames(rng, num_frames, size), DEFAULT_LIMITS.video_fps)
+    return "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+# ---------------------------------------------------------------------------------------- online requests
+
+
+@dataclass(frozen=True)
+class Request:
+    """One chat request as a client sends it."""
+
+    messages: list[dict]
+    output_len: int  # max_tokens, forced (ignore_eos)
+    service_class: str = INTERACTIVE  # BATCH: sent with service_tier "flex" and priority 1
+    kind: str = "text"  # what it carries: text | image | long-text | multi-image | video | mixed
+    at_s: float | None = None  # send offset from the phase's start; None: the run's arrival process decides
+    # long-video's videos: sent once every other request streams, `video_interval_s` apart (load.run_requests)
+    late: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # more body fields
+
+    def body(self) -> dict[str, Any]:
+        """The chat body (greedy, forced length). The class marks are sent only for slo-mix's classes:
+        fcfs ignores both, priority reads `priority`, slo `service_tier`."""
+        body = {"messages": self.messages, "max_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True}
+        if self.at_s is not None:  # a phase of classed requests (slo-mix)
+            batch = self.service_class == BATCH
+            body |= {"service_tier": "flex" if batch else "default", "priority": 1 if batch else 0}
+        return body | self.extra
+
+
+def build_requests(
+    workload: str,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+    tokenizer: Any | None = None,
+    num_images: int | None = None,
+    image_size: int = 64,
+    prefix_len: int = 512,
+    num_frames: int = 0,
+    video_size: int = 112,
+    num_videos: int = 2,
+    image_format: str = "png",
+) -> list[Request]:
+    """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` (default 1)
+    random images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of
+    `num_frames` random `video_size`^2 frames sent as an mp4 data URL (distinct per request: no cache
+    hits); `prefix`: every prompt starts with the same `num_images` (default 0) images of `image_size`^2
+    pixels (the same pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text of
+    about `prefix_len` tokens, then a random text of its own; `long-video`: the `random` text prompts,
+    then `num_videos` requests of one video each (`num_frames` random `video_size`^2 frames and a short
+    question, VIDEO_OUTPUT_LEN tokens out), marked `late`: they arrive while the texts decode."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
+    num_images = resolve_num_images(workload, num_images)
+    if workload == "random-mm" and (num_images < 0 or num_frames < 0 or num_images + num_frames == 0):
+        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
+    if workload == "prefix" and num_images < 0:
+        raise ValueError("prefix: --num-images must not be negative")
+    if workload == "long-video" and (num_videos < 1 or num_frames < 1):
+        raise ValueError("long-video needs --num-videos and --num-frames >= 1")
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    prefix = random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
+
+    def image_parts() -> list[dict]:  # `num_images` fresh random PNGs as content parts
+        return [
+            {"type": "image_url", "image_url": {"url": image_data_url(np_rng, image_size, image_format)}}
+            for _ in range(num_images)
+        ]
+
+    # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
+    shared_images = image_parts() if workload == "prefix" else []
+    out = []
+    for _ in range(num_prompts):
+        text = prefix + random_text(rng, rng.randint(*input_len), tokenizer)
+        content: str | list[dict] = text
+        if shared_images:
+            content = [*shared_images, {"type": "text", "text": text}]
+        if workload == "random-mm":
+            content = image_parts()
+            if num_frames:
+                url = video_data_url(np_rng, num_frames, video_size)
+                content.append({"type": "video_url", "video_url": {"url": url}})
+            content.append({"type": "text", "text": text})
+        out.append(Request([{"role": "user", "content": content}], rng.randint(*output_len)))
+    if workload == "long-video":
+        for j in range(num_videos):
+            content = [
+                {"type": "video_url", "video_url": {"url": video_data_url(np_rng, num_frames, video_size)}},
+                {"type": "text", "text": f"What happens in clip {j}?"},
+            ]
+            out.append(Request([{"role": "user", "content": content}], VIDEO_OUTPUT_LEN, late=True))
+    return out
+
+
+def resolve_num_images(workload: str, num_images: int | None) -> int:
+    """Images per prompt: `num_images`, or the workload's default (random-mm 1, prefix 0, random none)."""
+    if workload not in ("random-mm", "prefix"):
+        return 0
+    if num_images is not None:
+        return num_images
+    return 1 if workload == "random-mm" else 0
+
+
+def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> list[Request]:
+    """The batch backlog (all at offset 0) then the chats at Poisson offsets within `duration_s`."""
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    out = []
+    for i in range(cfg.num_batch):
+        kind = ("long-text", "multi-image", "video")[i % 3]
+        text = "Summarise this document.\n" + random_text(rng, rng.randint(*cfg.batch_input_len), tokenizer)
+        if kind == "multi-image":
+            parts = [{"type": "image_url", "image_url": {"url": image_data_url(np_rng, cfg.image_size)}}
+                     for _ in range(cfg.batch_images)]  # fmt: skip
+            content: str | list[dict] = [*parts, {"type": "text", "text": "Compare these images."}]
+        elif kind == "video":
+            url = video_data_url(np_rng, cfg.video_frames, cfg.video_size)
+            content = [{"type": "video_url", "video_url": {"url": url}},
+                       {"type": "text", "text": "Describe what happens in the video."}]  # fmt: skip
+        else:
+            content = text
+        messages = [{"role": "user", "content": content}]
+        out.append(Request(messages, rng.randint(*cfg.batch_output_len), BATCH, kind, at_s=0.0))
+    t = 0.0
+    while True:
+        t += float(np_rng.exponential(1.0 / load))
+        if t >= cfg.duration_s:
+            break
+        out.append(_chat(cfg, rng, np_rng, tokenizer, t))
+    return out
+
+
+def build_chats(cfg: MixConfig, n: int, seed: int, tokenizer: Any | None) -> list[Request]:
+    """`n` chats of the mix's shapes, all at offset 0."""
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    return [_chat(cfg, rng, np_rng, tokenizer, 0.0) for _ in range(n)]
+
+
+def _chat(
+    cfg: MixConfig, rng: random.Random, np_rng: np.random.Generator, tokenizer: Any | None, at_s: float
+) -> Request:
+    text = random_text(rng, rng.randint(*cfg.chat_input_len), tokenizer)
+    if rng.random() < cfg.chat_image_share:
+        content: str | list[dict] = [
+            {"type": "image_url", "image_url": {"url": image_data_url(np_rng, cfg.image_size)}},
+            {"type": "text", "text": text},
+        ]
+        kind = "image"
+    else:
+        content, kind = text, "text"
+    messages = [{"role": "user", "content": content}]
+    return Request(messages, rng.randint(*cfg.chat_output_len), INTERACTIVE, kind, at_s=at_s)
+
+
+# ---------------------------------------------------------------------------------------- offline workloads
+
+
+def image_prompt(size: int, seed: int) -> dict:
+    """One random image as a PNG, as a client sends it (bytes to decode), with a short question."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(random_pixels(np.random.default_rng(seed), size)).save(buf, format="PNG")
+    return {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe the image.", "images": [buf.getvalue()]}
+
+
+def video_prompt(num_frames: int, size: int, seed: int) -> dict:
+    """One video of `num_frames` frames ([T, H, W, 3] uint8, as decoded) with a short question."""
+    frames = video_frames(np.random.default_rng(seed), num_frames, size)
+    return {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe the video.", "videos": [frames]}
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]  # token ids as the engine sees them (media placeholders expanded)
+    output_lens: list[int]
+    # random-mm / long-video: per request the chat-templated text with placeholders and its images (PIL)
+    # and videos ([T, H, W, 3] uint8), or None for a text request (the engine gets its `prompts` ids);
+    # transformers gets `prompts` plus pixels from its own image processor (videos: mmserve's, see
+    # _hf_media_kwargs).
+    mm_prompts: list[dict | None] | None = None
+    # long-video: the driver step after which each request is added (None: all at once, as generate()).
+    arrival_steps: list[int] | None = None
+    video_tokens: int = 0  # placeholder tokens of one video (0: no videos)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def is_text(self, i: int) -> bool:
+        return self.mm_prompts is None or self.mm_prompts[i] is None
+
+
+def random_workload(
+    vocab_size: int, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
+) -> Workload:
+    rng = random.Random(seed)
+    # Ids well inside the vocabulary, away from the special tokens at its end.
+    prompts = [
+        [rng.randrange(100, vocab_size - 200) for _ in range(rng.randint(*input_len))]
+        for _ in range(num_prompts)
+    ]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_prompts)])
+
+
+def prefix_workload(
+    vocab_size: int,
+    num_prompts: int,
+    prefix_len: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int = 0,
+) -> Workload:
+    """Every prompt starts with the same `prefix_len` tokens, then a random suffix (prefix-cache hits)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, vocab_size - 200) for _ in range(prefix_len)]
+    base = random_workload(vocab_size, num_prompts, input_len, output_len, seed + 1)
+    return Workload([prefix + p for p in base.prompts], base.output_lens)
+
+
+def _template(body: str) -> str:
+    return (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        f"{body}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+_IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+_VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
+    """The engine's token ids of each prompt (placeholders expanded by mmserve's own processor; nothing
+    runs, the KV pool is only big enough that the model's own context limit applies), and the
+    placeholder tokens of the last video seen (0: none): for Qwen3-VL, whose video is one input per
+    temporal group (timestamps between them), the sum over the request's video inputs."""
+    from mmserve import LLM, SamplingParams
+
+    processor = LLM(model_dir, num_kv_blocks=4096).processor
+    ids, video_tokens = [], 0
+    for i, p in enumerate(prompts):
+        request = processor.process(p, SamplingParams(max_tokens=1), f"w{i}")[0]
+        ids.append(request.prompt_token_ids)
+        video_tokens = sum(m.placeholder.length for m in request.mm_inputs if m.modality == "video") or video_tokens
+    return ids, video_tokens
+
+
+def random_mm_workload(
+    model_dir: Path,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    num_images: int = 1,
+    image_size: int = 64,
+    seed: int = 0,
+    num_frames: int = 0,
+    video_size: int = 112,
+) -> Workload:
+    """Each prompt: `num_images` random images of `image_size`^2 pixels, then (num_frames > 0) one video
+    of `num_frames` random `video_size`^2 frames, all distinct (no cache hits), and a random text."""
+    from PIL import Image
+
+    if num_images < 0 or num_frames < 0 or num_images + num_frames == 0:
+        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
+    rng = random.Random(seed)
+    np_rng = np.random.default_rng(seed)
+    words = "red blue green circle square shape image count colour left right top bottom".split()
+    mm_prompts: list[dict | None] = []
+    for _ in range(num_prompts):
+        images = [
+            Image.fromarray(np_rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8))
+            for _ in range(num_images)
+        ]
+        videos = [video_frames(np_rng, num_frames, video_size)] if num_frames else []
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(*input_len)))
+        marks = _IMAGE_MARK * num_images + _VIDEO_MARK * len(videos)
+        mm_prompts.append({"prompt": _template(marks + text), "images": images, "videos": videos})
+    ids, video_tokens = _expand(model_dir, mm_prompts)
+    out_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
+    return Workload(ids, out_lens, mm_prompts, video_tokens=video_tokens)
+
+
+def long_video_workload(
+    model_dir: Path,
+    vocab_size: int,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    num_videos: int,
+    num_frames: int,
+    video_size: int,
+    interval_steps: int,
+    max_num_batched_tokens: int,
+    max_num_encoder_tokens: int,
+    seed: int = 0,
+) -> Workload:
+    """`num_prompts` random text requests added at once, then `num_videos` video requests (one random
+    video and a short question each) added one every `interval_steps` driver steps, the first
+    FIRST_VIDEO_STEP steps after the text prompts could have prefilled at the token budget. The
+    schedule counts steps, not seconds, so every mmserve system sees the same arrivals.
+
+    Text outputs are the random lengths plus enough steps to outlast every video's chunked prefill
+    (budget left beside the decodes, or the encoder budget, whichever is smaller), so the videos
+    always arrive into a steady set of decodes."""
+    if num_videos < 1 or num_frames < 1 or interval_steps < 1:
+        raise ValueError("long-video needs --num-videos, --num-frames and --video-interval-steps >= 1")
+    text = random_workload(vocab_size, num_prompts, input_len, output_len, seed)
+    np_rng = np.random.default_rng(seed + 1)
+    videos = [
+        {
+            "prompt": _template(_VIDEO_MARK + f"What happens in clip {j}?"),
+            "videos": [video_frames(np_rng, num_frames, video_size)],
+        }
+        for j in range(num_videos)
+    ]
+    video_ids, video_tokens = _expand(model_dir, videos)
+    first = -(-text.num_prompt_tokens // max_num_batched_tokens) + FIRST_VIDEO_STEP
+    arrivals = [first + j * interval_steps for j in range(num_videos)]
+    per_step = max(1, min(max_num_batched_tokens - num_prompts, max_num_encoder_tokens))
+    prefill_steps = sum(-(-len(p) // per_step) for p in video_ids)
+    cover = arrivals[-1] + prefill_steps + VIDEO_OUTPUT_LEN
+    return Workload(
+        prompts=text.prompts + video_ids,
+        output_lens=[n + cover for n in text.output_lens] + [VIDEO_OUTPUT_LEN] * num_videos,
+        mm_prompts=[None] * num_prompts + videos,
+        arrival_steps=[0] * num_prompts + arrivals,
+        video_tokens=video_tokens,
+    )
