@@ -361,6 +361,7 @@ def test_bench_serve_runs_through_the_router_and_sums_every_replicas_caches(
 ) -> None:
     """`mmserve bench serve --url ROUTER --metrics-url R1 --metrics-url R2`: the cache figures are the sum of
     what every replica's counters did over the run (a router answers /metrics from one replica only)."""
+    from mmserve.bench import ServeBenchConfig
     from mmserve.bench.serve import bench_serve
 
     def queries() -> float:
@@ -369,9 +370,9 @@ def test_bench_serve_runs_through_the_router_and_sums_every_replicas_caches(
     router = RouterProcess("round_robin", replicas, model)
     try:
         before = queries()
-        report = bench_serve(model=model, url=router.url, transports=["http"], workload="random", num_prompts=6,
-                             input_len=(8, 24), output_len=(2, 4), metrics_urls=[r.url for r in replicas],
-                             progress=False)  # fmt: skip
+        cfg = ServeBenchConfig(url=router.url, transports=("http",), num_prompts=6, input_len=(8, 24),
+                               output_len=(2, 4), metrics_url=tuple(r.url for r in replicas))  # fmt: skip
+        report = bench_serve(model, cfg, progress=False)
         total = queries() - before
     finally:
         router.close()

@@ -1,11 +1,97 @@
 """`mmserve bench`: speed measured side by side in one run, written as JSON.
 
 What the CLI needs cheaply lives here (no numpy, no torch): the systems and workloads it lists, and the
-frozen configs its options are generated from."""
+frozen configs its options are generated from. A knob is written once, as a config field (`knob` adds its help
+and how its option reads); `add_config_options` makes the options and `config_from_options` the config, and a
+report's `config` is the config's `asdict`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def knob(default: Any, help: str = "", *, flag: str | None = None, parse: Callable[[str], Any] | None = None,
+         choices: tuple[str, ...] | None = None, repeat: bool = False, words: bool = False) -> Any:
+    """A config field that is one command-line option: `--field-name` (or `flag`), `help`; the value read by
+    `parse`, else by the field's type (a tuple: comma-separated items; a bool: --x / --no-x). `repeat`: the
+    option may be given again, each adding one item; `words`: the items follow the option as separate words."""
+    meta = {"help": help, "flag": flag, "parse": parse, "choices": choices, "repeat": repeat, "words": words}
+    return field(default=default, metadata=meta)
+
+
+def _value_type(cls: type, f: dataclasses.Field) -> Any:
+    """The field's annotated type without its None (e.g. `int | None` -> int)."""
+    hint = typing.get_type_hints(cls)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_config_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """One option per field of the frozen config dataclass `cls` (`knob`'s settings, else `--field-name` with
+    the field's default)."""
+    for f in dataclasses.fields(cls):
+        meta, default = f.metadata, f.default
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        shown = f" (default: {','.join(map(str, default)) if isinstance(default, tuple) else default})"
+        shown = "" if default is None or default == () else shown
+        help_text = (meta.get("help") or "") + shown
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kwargs)
+        elif meta.get("repeat"):
+            parser.add_argument(flag, action="append", default=None, **kwargs)
+        elif meta.get("words"):
+            parser.add_argument(flag, nargs="+", default=None, **kwargs)
+        else:
+            parser.add_argument(flag, default=None, **kwargs)  # None: the field's default (read as given)
+
+
+def config_from_options(cls: type, args: argparse.Namespace) -> Any:
+    """The `cls` instance that `add_config_options` options describe; ValueError for a value that does not
+    read."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        raw, meta = getattr(args, f.name), f.metadata
+        if raw is None or isinstance(raw, bool):
+            values[f.name] = f.default if raw is None else raw
+            continue
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        try:
+            if meta.get("parse") is not None:
+                values[f.name] = meta["parse"](raw)
+            elif isinstance(raw, list):  # repeat / words: the items as given
+                values[f.name] = tuple(raw)
+            else:
+                values[f.name] = _read(_value_type(cls, f), raw)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    return cls(**values)
+
+
+def _read(kind: Any, text: str) -> Any:
+    if typing.get_origin(kind) is tuple:
+        item = typing.get_args(kind)[0]
+        return tuple(_read(item, v.strip()) for v in text.split(",") if v.strip())
+    if kind is float:
+        return math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
+    return kind(text)
+
+
+def token_range(text: str) -> tuple[int, int]:
+    """"MIN-MAX" (or one number) -> (MIN, MAX)."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
 
 # Systems `mmserve bench throughput` compares (torch-free here so the CLI can list them cheaply).
 SYSTEMS = ("mmserve", "mmserve-no-chunk", "mmserve-static", "mmserve-structured", "hf-static", "hf-cb")
@@ -65,3 +151,97 @@ class KVCacheBenchConfig:
         if min(self.kv_cache_tokens, self.num_requests, self.prompt_len, self.output_len, self.accuracy_prompts,
                self.accuracy_tokens, self.repeats) < 1:  # fmt: skip
             raise ValueError("token counts and request counts must be >= 1")
+
+
+MEDIA_SOURCES = ("data-url", "upload")
+TRANSPORTS = ("ws", "http")
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """`mmserve bench serve` (every workload but slo-mix, which has `slo_mix.MixConfig`)."""
+
+    url: str | None = knob(None, "a running server; default: start one on --model")
+    metrics_url: tuple[str, ...] = knob(
+        (), "a server whose /metrics the cache figures sum; repeat for every replica when --url is a router "
+        "(default: --url)", repeat=True)  # fmt: skip
+    transports: tuple[str, ...] = knob(
+        ("ws",), "ws, http or ws,http (each its own draw of the workload: none finds another's prompts cached)",
+        flag="--transport", parse=_words)  # fmt: skip
+    workload: str = knob(
+        "random", "prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
+        "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a cold "
+        "miss and the others hit the caches; TTFT of the first and of the repeats are reported apart (each "
+        "transport gets a prefix of its own). long-video: the random text requests stream, then --num-videos "
+        "videos of --num-frames frames arrive --video-interval-s apart; text ITL while they are in is reported "
+        "against the rest. slo-mix: see its options", choices=(*WORKLOADS, "slo-mix"))  # fmt: skip
+    media_source: str = knob("data-url", "random-mm, prefix: how images and videos travel (upload: each distinct "
+                             "one once, before timing)", choices=MEDIA_SOURCES)  # fmt: skip
+    prefix_len: int = knob(512, "prefix: shared prefix tokens (approximate)")
+    num_prompts: int = 64
+    input_len: tuple[int, int] = knob((16, 128), "MIN-MAX prompt tokens (approximate)", parse=token_range)
+    output_len: tuple[int, int] = knob((16, 256), "MIN-MAX output tokens (ignore_eos)", parse=token_range)
+    num_images: int | None = knob(None, "images per prompt: random-mm, random ones (default 1); prefix, the same "
+                                  "ones in front of every prompt (default 0)")  # fmt: skip
+    image_size: int = knob(64, "random-mm, prefix: image side in pixels")
+    image_format: str = knob("png", "random-mm: how images are encoded", choices=("png", "jpeg"))
+    num_frames: int | None = knob(None, "random-mm: frames of one mp4 video per prompt (default 0: none); "
+                                  "long-video: frames per video (default 64)")  # fmt: skip
+    video_size: int | None = knob(None, "video frame side in pixels (random-mm 112, long-video 224)")
+    num_videos: int = knob(2, "long-video: videos arriving")
+    video_interval_s: float = knob(2.0, "long-video: seconds between videos")
+    compare_no_chunk: bool = knob(False, "long-video: run again on a server without chunked prefill or encoding "
+                                  "(as vLLM without chunked prefill) and report the ratios")  # fmt: skip
+    request_rate: float = knob(math.inf, "requests/s (inf: all at once)")
+    burstiness: float = knob(1.0, "gamma shape of the gaps; 1 is Poisson")
+    max_concurrency: int | None = knob(None, "closed loop: at most N in flight")
+    goodput: tuple[str, ...] = knob((), "SLOs NAME:MS, e.g. ttft:500 tpot:50 e2el:5000", words=True)
+    max_num_seqs: int = knob(64, "the server it starts, and --offline")
+    max_num_batched_tokens: int = knob(2048, "the server it starts, and --offline")
+    max_num_encoder_tokens: int | None = knob(None, "the server it starts (default: token budget)")
+    server_process: bool = knob(False, "start the server as a child `mmserve serve` (its own GIL, as deployed) "
+                                "instead of a thread")  # fmt: skip
+    engine_process: bool = knob(True, "with --server-process: the child's engine core in its own process "
+                                "(--no-engine-process: `serve --no-engine-process`)")  # fmt: skip
+    api_server_count: int = knob(1, "with --server-process: API server processes of the child `mmserve serve`")
+    offline: bool = knob(False, "also run the same requests through the offline LLM.chat (same engine settings) "
+                         "and report each transport's throughput over it")  # fmt: skip
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.transports or set(self.transports) - set(TRANSPORTS):
+            raise ValueError(f"--transport: choose from {', '.join(TRANSPORTS)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}; choose from {WORKLOADS}")
+        if self.media_source not in MEDIA_SOURCES:
+            raise ValueError(f"unknown media source {self.media_source!r}; choose from {MEDIA_SOURCES}")
+        if self.compare_no_chunk and (self.url is not None or self.workload != "long-video"):
+            raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url)")
+        starts = self.url is None and self.server_process
+        if (self.api_server_count != 1 or not self.engine_process) and not starts:
+            raise ValueError("--api-server-count and --no-engine-process are for the server --server-process starts")
+
+    def resolved(self) -> ServeBenchConfig:
+        """The workload's defaults filled in: images per prompt (random-mm 1, prefix 0, else none), video frames
+        (long-video 64, else none) and frame side (long-video 224, else 112)."""
+        long_video = self.workload == "long-video"
+        images = {"random-mm": 1, "prefix": 0}.get(self.workload)
+        num_images = 0 if images is None else images if self.num_images is None else self.num_images
+        num_frames = self.num_frames if self.num_frames is not None else (64 if long_video else 0)
+        return dataclasses.replace(self, num_images=num_images, num_frames=num_frames,
+                                   video_size=self.video_size or (224 if long_video else 112))  # fmt: skip
+
+    def quick(self) -> ServeBenchConfig:
+        """`--quick`: 8 short requests (small enough to finish in well under a minute on the tiny model on 2 CPU
+        cores); long-video's texts long enough to outlast two small videos."""
+        cfg = self.resolved()
+        quick = dataclasses.replace(cfg, num_prompts=8, input_len=(8, 32), output_len=(4, 16),
+                                    prefix_len=min(cfg.prefix_len, 128), video_interval_s=0.2)  # fmt: skip
+        if self.workload != "long-video":
+            return quick
+        return dataclasses.replace(quick, output_len=(48, 64), num_frames=min(cfg.num_frames or 0, 8),
+                                   video_size=min(cfg.video_size or 0, 56))  # fmt: skip

@@ -11,7 +11,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mmserve.bench import SYSTEMS, WORKLOADS, KVCacheBenchConfig, RouterBenchConfig
+from mmserve.bench import (
+    SYSTEMS,
+    WORKLOADS,
+    KVCacheBenchConfig,
+    RouterBenchConfig,
+    ServeBenchConfig,
+    add_config_options,
+    config_from_options,
+    token_range,
+)
 from mmserve.slo_flags import add_slo_planner_flags
 
 
@@ -150,11 +159,6 @@ def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
     return _bench_long_video(args) if args.bench_command == "long-video" else _bench_throughput(args)
 
 
-def _parse_range(text: str) -> tuple[int, int]:
-    low, _, high = text.partition("-")
-    return int(low), int(high or low)
-
-
 def _bench_model(model: Path | None) -> Path:
     """The given checkpoint, or the bench preset made once into ~/.cache/mmserve."""
     if model is not None:
@@ -208,8 +212,8 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     model = _bench_model(args.model)
     num_prompts, input_len, output_len = (
         args.num_prompts,
-        _parse_range(args.input_len),
-        _parse_range(args.output_len),
+        token_range(args.input_len),
+        token_range(args.output_len),
     )
     prefix_len, num_videos = args.prefix_len, args.num_videos
     long_video = args.workload == "long-video"
@@ -262,14 +266,6 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser(
         "serve", help="online serving benchmark over the WebSocket chat and/or the OpenAI SSE route"
     )
-    p.add_argument("--url", default=None, help="a running server; default: start one in-process on --model")
-    p.add_argument(
-        "--metrics-url",
-        action="append",
-        default=None,
-        help="a server whose /metrics the cache figures sum; repeat for every replica when --url is a router "
-        "(default: --url)",
-    )
     p.add_argument(
         "--model",
         type=Path,
@@ -277,103 +273,7 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="checkpoint for the in-process server and the prompt tokenizer (default: the bench preset)",
     )
     p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
-    p.add_argument(
-        "--transport",
-        default="ws",
-        help="ws, http or ws,http (each its own draw of the workload: none finds another's prompts cached)",
-    )
-    p.add_argument(
-        "--workload",
-        default="random",
-        choices=["random", "random-mm", "prefix", "long-video", "slo-mix"],
-        help="prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
-        "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a "
-        "cold miss and the others hit the caches; TTFT of the first and of the repeats are reported "
-        "apart (each transport gets a prefix of its own). long-video: the random text requests stream, "
-        "then --num-videos videos of --num-frames frames arrive --video-interval-s apart; text ITL while "
-        "they are in is reported against the rest",
-    )
-    p.add_argument(
-        "--media-source",
-        default="data-url",
-        choices=["data-url", "upload"],
-        help="random-mm, prefix: how images and videos travel (upload: each distinct one once, before timing)",
-    )
-    p.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens (approximate)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens (approximate)")
-    p.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens (ignore_eos)")
-    p.add_argument(
-        "--num-images",
-        type=int,
-        default=None,
-        help="images per prompt: random-mm, random ones (default 1); prefix, the same ones in front of "
-        "every prompt (default 0)",
-    )
-    p.add_argument("--image-size", type=int, default=64, help="random-mm, prefix: image side in pixels")
-    p.add_argument(
-        "--num-frames",
-        type=int,
-        default=None,
-        help="random-mm: frames of one mp4 video per prompt (default 0: none); long-video: frames per "
-        "video (default 64)",
-    )
-    p.add_argument(
-        "--video-size",
-        type=int,
-        default=None,
-        help="video frame side in pixels (random-mm 112, long-video 224)",
-    )
-    p.add_argument("--num-videos", type=int, default=2, help="long-video: videos arriving")
-    p.add_argument("--video-interval-s", type=float, default=2.0, help="long-video: seconds between videos")
-    p.add_argument(
-        "--compare-no-chunk",
-        action="store_true",
-        help="long-video: run again on a server without chunked prefill or encoding (as vLLM without "
-        "chunked prefill) and report the ratios",
-    )
-    p.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="requests/s (default: all at once)"
-    )
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None, help="closed loop: at most N in flight")
-    p.add_argument(
-        "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="the server it starts, and --offline")
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="the server it starts, and --offline"
-    )
-    p.add_argument(
-        "--max-num-encoder-tokens",
-        type=int,
-        default=None,
-        help="the server it starts (default: token budget)",
-    )
-    p.add_argument(
-        "--server-process",
-        action="store_true",
-        help="start the server as a child `mmserve serve` (its own GIL, as deployed) instead of a thread",
-    )
-    p.add_argument(
-        "--no-engine-process",
-        action="store_true",
-        help="with --server-process: the child runs its engine core on a thread (`serve --no-engine-process`)",
-    )
-    p.add_argument("--image-format", choices=["png", "jpeg"], default="png", help="random-mm: how images are encoded")
-    p.add_argument(
-        "--api-server-count",
-        type=int,
-        default=1,
-        help="with --server-process: API server processes of the child `mmserve serve`",
-    )
-    p.add_argument(
-        "--offline",
-        action="store_true",
-        help="also run the same requests through the offline LLM.chat (same engine settings) and report "
-        "each transport's throughput over it",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    add_config_options(p, ServeBenchConfig)
     p.add_argument("--quick", action="store_true", help="8 short requests: a smoke run")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
@@ -447,31 +347,6 @@ def _add_bench_tensor_parallel_parser(bench_sub: argparse._SubParsersAction) -> 
     p.add_argument("--out", type=Path, default=None, help="write tensor_parallel.json (and its PNG) here")
     p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
-
-
-def add_config_options(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One option per field of the frozen config dataclass `cls` (`--field-name`, its default; a tuple field
-    takes a comma-separated list), so a knob is written once: in the dataclass."""
-    for f in dataclasses.fields(cls):
-        flag, default = "--" + f.name.replace("_", "-"), f.default
-        if isinstance(default, tuple):
-            parser.add_argument(flag, default=",".join(map(str, default)), help="comma-separated (default: %(default)s)")
-        elif isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help="(default: %(default)s)")
-
-
-def config_from_options(cls: type, args: argparse.Namespace) -> Any:
-    """The `cls` instance that `add_config_options` options describe."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(args, f.name)
-        if isinstance(f.default, tuple):
-            item = type(f.default[0]) if f.default else str
-            value = tuple(item(v.strip()) for v in value.split(",") if v.strip())
-        values[f.name] = value
-    return cls(**values)
 
 
 def _add_bench_router_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -654,70 +529,16 @@ def _bench_slo_mix(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     if args.workload == "slo-mix":
         return _bench_slo_mix(args)
-    from mmserve.bench.load import TRANSPORTS
-    from mmserve.bench.metrics import parse_goodput
-    from mmserve.bench.serve import QUICK, bench_serve, format_report
+    from mmserve.bench.serve import bench_serve, format_report
 
-    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
-    if not transports or set(transports) - set(TRANSPORTS):
-        print(f"--transport: choose from {', '.join(TRANSPORTS)}", file=sys.stderr)
-        return 2
     try:
-        slos = parse_goodput(args.goodput)
-    except ValueError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
-    num_prompts, input_len, output_len = (
-        args.num_prompts,
-        _parse_range(args.input_len),
-        _parse_range(args.output_len),
-    )
-    long_video = args.workload == "long-video"
-    num_frames, video_size = _video_shape(args)
-    if args.quick:
-        num_prompts, input_len, output_len = QUICK["num_prompts"], QUICK["input_len"], QUICK["output_len"]
-        if long_video:  # texts long enough to outlast two small videos
-            output_len, num_frames, video_size = (48, 64), min(num_frames, 8), min(video_size, 56)
-    # With --url the checkpoint is only the one named (the prompt tokenizer; --offline needs the server's
-    # own); without, the bench preset serves.
-    model = args.model if args.url else _bench_model(args.model)
-    try:
-        report = bench_serve(
-            model=model,
-            url=args.url,
-            transports=transports,
-            workload=args.workload,
-            num_prompts=num_prompts,
-            input_len=input_len,
-            output_len=output_len,
-            num_images=args.num_images,
-            image_size=args.image_size,
-            prefix_len=min(args.prefix_len, 128) if args.quick else args.prefix_len,
-            media_source=args.media_source,
-            num_frames=num_frames,
-            video_size=video_size,
-            num_videos=args.num_videos,
-            video_interval_s=0.2 if args.quick else args.video_interval_s,
-            compare_no_chunk=args.compare_no_chunk,
-            max_num_encoder_tokens=args.max_num_encoder_tokens,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            goodput_slos=slos or None,
-            api_key=args.api_key,
-            seed=args.seed,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            server_process=args.server_process,
-            api_server_count=args.api_server_count,
-            engine_process=not args.no_engine_process,
-            image_format=args.image_format,
-            offline=args.offline,
-            json_path=args.json,
-            progress=not args.no_progress,
-            metrics_urls=args.metrics_url,
-        )
-    except ValueError as exc:  # bad workload options (e.g. random-mm with no media)
+        cfg = config_from_options(ServeBenchConfig, args)
+        cfg = cfg.quick() if args.quick else cfg
+        # With --url the checkpoint is only the one named (the prompt tokenizer; --offline needs the server's
+        # own); without, the bench preset serves.
+        model = args.model if cfg.url else _bench_model(args.model)
+        report = bench_serve(model, cfg, api_key=args.api_key, json_path=args.json, progress=not args.no_progress)
+    except ValueError as exc:  # bad options (e.g. random-mm with no media)
         print(str(exc), file=sys.stderr)
         return 2
     print(format_report(report))

@@ -5,28 +5,25 @@ formats of docs/api.md, never the engine's internals."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mmserve.bench import ServeBenchConfig
 from mmserve.bench.load import run_requests
 from mmserve.bench.metrics import (
     RequestTiming,
     compute_metrics,
     first_vs_repeats_ttft,
+    parse_goodput,
     throughput_figures,
     video_interference,
 )
 from mmserve.bench.servers import InProcessServer, ServerProcess
-from mmserve.bench.workload import Request, build_requests, load_tokenizer, resolve_num_images
-
-MEDIA_SOURCES = ("data-url", "upload")
-# --quick: small enough to finish in well under a minute on the tiny model on 2 CPU cores.
-QUICK = {"num_prompts": 8, "input_len": (8, 32), "output_len": (4, 16)}
-
+from mmserve.bench.workload import Request, build_requests, load_tokenizer
 
 
 def offline_baseline(
@@ -58,49 +55,19 @@ def offline_baseline(
 
 
 def bench_serve(
-    *,
     model: Path | None,
-    url: str | None = None,
-    transports: list[str] | tuple[str, ...] = ("ws",),
-    workload: str = "random",
-    num_prompts: int = 64,
-    input_len: tuple[int, int] = (16, 128),
-    output_len: tuple[int, int] = (16, 256),
-    num_images: int | None = None,
-    image_size: int = 64,
-    prefix_len: int = 512,
-    media_source: str = "data-url",
-    num_frames: int = 0,
-    video_size: int = 112,
-    request_rate: float = math.inf,
-    burstiness: float = 1.0,
-    max_concurrency: int | None = None,
-    goodput_slos: dict[str, float] | None = None,
+    cfg: ServeBenchConfig,
+    *,
     api_key: str | None = None,
-    seed: int = 0,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    max_num_encoder_tokens: int | None = None,
-    num_videos: int = 2,
-    video_interval_s: float = 2.0,
-    compare_no_chunk: bool = False,
-    server_process: bool = False,
-    api_server_count: int = 1,
-    engine_process: bool = True,
-    image_format: str = "png",
-    offline: bool = False,
     json_path: Path | None = None,
     progress: bool = True,
-    metrics_urls: Sequence[str] | None = None,
 ) -> dict:
-    """Run the workload over each transport; `url` None starts a server on `model`: in this process
+    """Run the workload over each transport; `cfg.url` None starts a server on `model`: in this process
     (a thread), or with `server_process` as a child `mmserve serve` (no GIL shared with the clients).
 
-    `metrics_urls`: the servers whose /metrics give the cache figures, summed (with `url` a router: every
+    `metrics_url`: the servers whose /metrics give the cache figures, summed (with `url` a router: every
     replica behind it; a router answers /metrics from one replica); the engine-core loop figures are then
     reported only for a single one.
-
-    `api_server_count`: with `server_process`, the child's API server processes (`--api-server-count`).
 
     `offline`: afterwards, the first transport's requests also run through the offline `LLM.chat` in this
     process, with `max_num_seqs` and `max_num_batched_tokens` (give the server's when it is at `url`), and
@@ -113,158 +80,98 @@ def bench_serve(
 
     Each transport gets its own draw of the workload (seed + its index): the same distribution, but
     no prompt, image or shared prefix of one transport is in the server's caches for the next. In
-    `prefix`, request 0 is sent alone before the rest (see `run_requests`), so every transport's
+    `prefix`, request 0 is sent alone before the rest (see `load.run_requests`), so every transport's
     request 0 is a cold miss and the others repeat its prefix; their TTFTs are reported apart
     (`first_vs_repeats_ttft`)."""
-    if media_source not in MEDIA_SOURCES:
-        raise ValueError(f"unknown media source {media_source!r}; choose from {MEDIA_SOURCES}")
-    num_images = resolve_num_images(workload, num_images)
+    cfg = cfg.resolved()
+    goodput_slos = parse_goodput(list(cfg.goodput)) or None
     tokenizer = load_tokenizer(model)
+    metrics_urls = list(cfg.metrics_url) or None
 
     def requests_for(index: int) -> list[Request]:
         return build_requests(
-            workload,
-            num_prompts,
-            input_len,
-            output_len,
-            seed + index,
-            tokenizer,
-            num_images,
-            image_size,
-            prefix_len,
-            num_frames,
-            video_size,
-            num_videos,
-            image_format,
-        )
+            cfg.workload, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.seed + index, tokenizer,
+            cfg.num_images, cfg.image_size, cfg.prefix_len, cfg.num_frames or 0, cfg.video_size or 112,
+            cfg.num_videos, cfg.image_format,
+        )  # fmt: skip
 
     requests = requests_for(0)  # built before any server starts: bad workload options fail fast
-    if url is None and model is None:
+    if cfg.url is None and model is None:
         raise ValueError("give --url or --model")
-    if compare_no_chunk and (url is not None or workload != "long-video"):
-        raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url)")
-    if (api_server_count != 1 or not engine_process) and (url is not None or not server_process):
-        raise ValueError("--api-server-count and --no-engine-process are for the server --server-process starts")
-    if url is not None and offline and model is None:
+    if cfg.url is not None and cfg.offline and model is None:
         raise ValueError("the offline baseline needs --model (the server's checkpoint)")
     engine_kwargs: dict[str, Any] = {
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "max_num_encoder_tokens": max_num_encoder_tokens,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_encoder_tokens": cfg.max_num_encoder_tokens,
     }
     results: dict[str, dict] = {}
     raw: dict[str, list[dict]] = {}
     longest_prompt = 0
-    for system in ("mmserve", "no-chunk") if compare_no_chunk else ("mmserve",):
+    for system in ("mmserve", "no-chunk") if cfg.compare_no_chunk else ("mmserve",):
         server: InProcessServer | ServerProcess | None = None
-        if url is None:
+        if cfg.url is None:
             assert model is not None
             if system == "no-chunk":  # whole prefills need a budget that holds the longest prompt
                 engine_kwargs |= {"scheduler_policy": "no_chunk", "chunk_encoder": False}
-                engine_kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, longest_prompt)
+                engine_kwargs["max_num_batched_tokens"] = max(cfg.max_num_batched_tokens, longest_prompt)
             server = (
-                ServerProcess(
-                    model, **engine_kwargs, api_server_count=api_server_count, no_engine_process=not engine_process
-                )
-                if server_process
+                ServerProcess(model, **engine_kwargs, api_server_count=cfg.api_server_count,
+                              no_engine_process=not cfg.engine_process)
+                if cfg.server_process
                 else InProcessServer(model, **engine_kwargs)
-            )
-        base_url = (server.url if server is not None else str(url)).rstrip("/")
+            )  # fmt: skip
+        base_url = (server.url if server is not None else str(cfg.url)).rstrip("/")
         loop_url = base_url if not metrics_urls else metrics_urls[0] if len(metrics_urls) == 1 else None
         try:
-            for index, transport in enumerate(transports):
-                if index and workload == "prefix":
+            for index, transport in enumerate(cfg.transports):
+                if index and cfg.workload == "prefix":
                     requests = requests_for(index)
                 loop_before = _core_loop(loop_url, api_key) if loop_url is not None else None
-                timings, duration, cache = asyncio.run(
-                    run_requests(
-                        base_url,
-                        requests,
-                        transport,
-                        request_rate,
-                        burstiness,
-                        max_concurrency,
-                        api_key,
-                        seed,
-                        progress,
-                        media_source=media_source,
-                        first_alone=workload == "prefix",
-                        video_interval_s=video_interval_s,
-                        metrics_urls=metrics_urls,
-                    )
-                )
+                run = run_requests(
+                    base_url, requests, transport, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, api_key,
+                    cfg.seed, progress, media_source=cfg.media_source, first_alone=cfg.workload == "prefix",
+                    video_interval_s=cfg.video_interval_s, metrics_urls=metrics_urls,
+                )  # fmt: skip
+                timings, duration, cache = asyncio.run(run)
                 longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
                 key = transport if system == "mmserve" else f"{transport}/{system}"
-                results[key] = _figures(workload, timings, duration, cache, goodput_slos, requests)
+                results[key] = _figures(cfg.workload, timings, duration, cache, goodput_slos, requests)
                 loop_after = _core_loop(loop_url, api_key) if loop_url is not None else None
                 if loop_after is not None:  # before the first step the server reports no loop times yet
                     results[key]["engine_core_loop"] = _loop_figures(loop_before, loop_after, duration)
                 raw[key] = [
-                    {
-                        "ttft_s": t.ttft_s,
-                        "tpot_s": t.tpot_s,
-                        "e2el_s": t.e2el_s,
-                        "itls_s": t.itls_s,
-                        "output_tokens": t.output_tokens,
-                        "success": t.success,
-                    }
+                    {"ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "e2el_s": t.e2el_s, "itls_s": t.itls_s,
+                     "output_tokens": t.output_tokens, "success": t.success}
                     for t in timings
-                ]
+                ]  # fmt: skip
         finally:
             if server is not None:
                 server.close()
     offline_figures = None
-    if offline:
+    if cfg.offline:
         assert model is not None
         offline_figures = offline_baseline(
-            model, requests_for(0), max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens
+            model, requests_for(0), cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_num_encoder_tokens
         )
         for metrics in results.values():
             for key in ("output_throughput", "total_token_throughput"):
                 metrics[f"{key}_over_offline"] = metrics[key] / offline_figures[key]
-    comparison = _chunk_comparison(results, transports[0]) if compare_no_chunk else None
     report = {
         "config": {
+            **dataclasses.asdict(cfg),
             "model": str(model) if model else None,
-            "url": url,
-            "in_process_server": url is None and not server_process,
-            "server_process": server_process and url is None,
-            "api_server_count": api_server_count if server_process and url is None else None,
-            "engine_process": engine_process if server_process and url is None else None,
-            "image_format": image_format if workload == "random-mm" else None,
-            "transports": list(transports),
-            "workload": workload,
-            "num_prompts": num_prompts,
-            "input_len": list(input_len),
-            "output_len": list(output_len),
-            "num_images": num_images,
-            "image_size": image_size,
-            "num_frames": num_frames if workload in ("random-mm", "long-video") else 0,
-            "video_size": video_size if workload in ("random-mm", "long-video") and num_frames else None,
-            "media_source": media_source if workload == "random-mm" or num_images else None,
-            "prefix_len": prefix_len if workload == "prefix" else None,
-            "first_request_alone": workload == "prefix",
-            "request_rate": "inf" if math.isinf(request_rate) else request_rate,
-            "burstiness": burstiness,
-            "max_concurrency": max_concurrency,
-            "goodput_slos_ms": goodput_slos,
-            "seed": seed,
-            "max_num_seqs": max_num_seqs if url is None or offline else None,
-            "max_num_batched_tokens": max_num_batched_tokens if url is None or offline else None,
-            "max_num_encoder_tokens": max_num_encoder_tokens,
-            "num_videos": num_videos if workload == "long-video" else None,
-            "video_interval_s": video_interval_s if workload == "long-video" else None,
-            "compare_no_chunk": compare_no_chunk,
+            "in_process_server": cfg.url is None and not cfg.server_process,
+            "first_request_alone": cfg.workload == "prefix",
             # the no-chunk server's token budget: the longest prompt seen on the chunked one
-            "no_chunk_max_num_batched_tokens": engine_kwargs["max_num_batched_tokens"]
-            if compare_no_chunk
-            else None,
+            "no_chunk_max_num_batched_tokens": engine_kwargs["max_num_batched_tokens"] if cfg.compare_no_chunk else None,
         },
         "results": results,
         "offline": offline_figures,
-        "chunk_vs_no_chunk": comparison,
+        "chunk_vs_no_chunk": _chunk_comparison(results, cfg.transports[0]) if cfg.compare_no_chunk else None,
         "requests": raw,
     }
+    report["config"]["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate  # JSON has no inf
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
