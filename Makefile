@@ -39,4 +39,4 @@ test: install-test lint
 # in-process server on a tiny model made on the fly; prints a report and fails on any leak or error.
 SOAK_S ?= 180
 soak: install
-	$(PY) -m mmserve.bench.soak --duration-s $(SOAK_S)
+	$(PY) -m tests.soak --duration-s $(SOAK_S)

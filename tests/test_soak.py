@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from mmserve.bench.soak import SoakConfig, format_report, run_soak
+from tests.soak import SoakConfig, format_report, run_soak
 
 
 def test_short_soak_leaves_nothing_behind(tiny_model_dir: Callable[[str], Path]) -> None:

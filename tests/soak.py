@@ -1,4 +1,4 @@
-"""`python -m mmserve.bench.soak` (`make soak`): minutes of mixed traffic against a live server — text,
+"""`python -m tests.soak` (`make soak`): minutes of mixed traffic against a live server — text,
 images and video; JSON, SSE and WebSocket; random cancellations and disconnects at set rates — then a
 report: requests by outcome, p50/p99 latencies, unintended errors (must be 0), KV blocks and encoder
 cache references held at the end (must be 0), resident memory after warm-up and at the end (< 10%).
@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-ASSETS = Path(__file__).resolve().parent.parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 _WORDS = (
     "the a red blue green circle square image video frame token cache block decode prefill model "
     "server request stream latency batch of in on with and to is what why how describe count"
@@ -389,7 +389,7 @@ def format_report(report: SoakReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mmserve.bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=180.0)
     p.add_argument("--concurrency", type=int, default=8, help="clients sending one request after another")
     p.add_argument("--cancel-rate", type=float, default=0.15)
