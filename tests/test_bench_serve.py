@@ -181,6 +181,37 @@ def test_bench_serve_long_video_chunked_against_no_chunk(
     )
 
 
+def test_bench_serve_runs_a_peer_server_beside_mmserve_round_by_round(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """`--peer NAME=URL --repeats 2`: a second OpenAI-compatible server (here another mmserve, started apart)
+    takes the same requests over HTTP as the mmserve the bench starts, in each round; each key's figures are
+    its median round's, every round is listed, and the ratios are mmserve's figures over the peer's."""
+    from mmserve.bench.servers import InProcessServer
+
+    model = tiny_model_dir("qwen2_vl")
+    peer = InProcessServer(model, max_num_seqs=8)
+    out = tmp_path / "serve.json"
+    try:
+        argv = ["bench", "serve", "--model", str(model), "--quick", "--no-progress", "--json", str(out)]
+        argv += ["--transport", "ws", "--peer", f"other={peer.url}", "--repeats", "2"]
+        assert main(argv) == 0
+    finally:
+        peer.close()
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"ws", "http", "other/http"}  # mmserve runs HTTP too, beside its ws
+    for m in report["results"].values():
+        assert m["failed"] == 0 and m["completed"] == 8, m["errors"]
+        assert len(m["rounds"]) == 2
+        assert m["output_throughput"] in sorted(r["output_throughput"] for r in m["rounds"])[:1]  # lower middle
+    assert {r["round"] for r in report["requests"]["other/http"]} == {0, 1}
+    ratios = report["peers"]["other"]
+    ours, theirs = report["results"]["http"]["rounds"], report["results"]["other/http"]["rounds"]
+    per_round = [a["output_throughput"] / b["output_throughput"] for a, b in zip(ours, theirs, strict=True)]
+    assert ratios["output_throughput_mmserve_over_peer_rounds"] == pytest.approx(per_round)
+    assert ratios["output_throughput_mmserve_over_peer"] == pytest.approx(sum(per_round) / 2)
+
+
 def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--transport", "grpc"]) == 2
     assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
@@ -191,4 +222,6 @@ def test_bench_serve_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -
     # The offline baseline must run the server's own checkpoint: with --url it has to be named.
     assert main([*url, "--offline"]) == 2
     assert main([*url, "--compare-no-chunk", "--workload", "long-video"]) == 2  # it starts its own servers
+    assert main([*url, "--peer", "not-a-url"]) == 2
+    assert main([*url, "--repeats", "0"]) == 2
     assert "goodput" in capsys.readouterr().err

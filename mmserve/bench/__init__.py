@@ -208,6 +208,11 @@ class ServeBenchConfig:
     engine_process: bool = knob(True, "with --server-process: the child's engine core in its own process "
                                 "(--no-engine-process: `serve --no-engine-process`)")  # fmt: skip
     api_server_count: int = knob(1, "with --server-process: API server processes of the child `mmserve serve`")
+    peer: tuple[str, ...] = knob(
+        (), "another OpenAI-compatible server, NAME=URL (or URL): the same requests over HTTP in the same report, "
+        "interleaved with mmserve round by round; repeat for more", repeat=True)  # fmt: skip
+    repeats: int = knob(1, "rounds of every server and transport in turn, each on a fresh draw of the workload; "
+                        "each key's figures are its median round's")  # fmt: skip
     offline: bool = knob(False, "also run the same requests through the offline LLM.chat (same engine settings) "
                          "and report each transport's throughput over it")  # fmt: skip
     seed: int = 0
@@ -221,6 +226,10 @@ class ServeBenchConfig:
             raise ValueError(f"unknown media source {self.media_source!r}; choose from {MEDIA_SOURCES}")
         if self.compare_no_chunk and (self.url is not None or self.workload != "long-video"):
             raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url)")
+        if self.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        if self.peer and self.compare_no_chunk:
+            raise ValueError("--peer and --compare-no-chunk do not go together")
         starts = self.url is None and self.server_process
         if (self.api_server_count != 1 or not self.engine_process) and not starts:
             raise ValueError("--api-server-count and --no-engine-process are for the server --server-process starts")

@@ -105,7 +105,11 @@ def bench_serve(
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "max_num_encoder_tokens": cfg.max_num_encoder_tokens,
     }
-    results: dict[str, dict] = {}
+    peers = [_peer(i, spec) for i, spec in enumerate(cfg.peer)]
+    # Peers speak the OpenAI HTTP API only: with peers, mmserve runs HTTP too, on the same requests.
+    transports = cfg.transports + (("http",) if peers and "http" not in cfg.transports else ())
+    draws: dict[int, list[Request]] = {0: requests}
+    rounds: dict[str, list[dict]] = {}  # key -> its figures in each round
     raw: dict[str, list[dict]] = {}
     longest_prompt = 0
     for system in ("mmserve", "no-chunk") if cfg.compare_no_chunk else ("mmserve",):
@@ -123,31 +127,43 @@ def bench_serve(
             )  # fmt: skip
         base_url = (server.url if server is not None else str(cfg.url)).rstrip("/")
         loop_url = base_url if not metrics_urls else metrics_urls[0] if len(metrics_urls) == 1 else None
+        # (key prefix, url, engine-core loop URL, /metrics URLs, API key, transports)
+        targets = [("" if system == "mmserve" else f"/{system}", base_url, loop_url, metrics_urls, api_key, transports)]
+        targets += [(f"{name}/", url, None, [url], None, ("http",)) for name, url in peers]
         try:
-            for index, transport in enumerate(cfg.transports):
-                if index and cfg.workload == "prefix":
-                    requests = requests_for(index)
-                loop_before = _core_loop(loop_url, api_key) if loop_url is not None else None
-                run = run_requests(
-                    base_url, requests, transport, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, api_key,
-                    cfg.seed, progress, media_source=cfg.media_source, first_alone=cfg.workload == "prefix",
-                    video_interval_s=cfg.video_interval_s, metrics_urls=metrics_urls,
-                )  # fmt: skip
-                timings, duration, cache = asyncio.run(run)
-                longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
-                key = transport if system == "mmserve" else f"{transport}/{system}"
-                results[key] = _figures(cfg.workload, timings, duration, cache, goodput_slos, requests)
-                loop_after = _core_loop(loop_url, api_key) if loop_url is not None else None
-                if loop_after is not None:  # before the first step the server reports no loop times yet
-                    results[key]["engine_core_loop"] = _loop_figures(loop_before, loop_after, duration)
-                raw[key] = [
-                    {"ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "e2el_s": t.e2el_s, "itls_s": t.itls_s,
-                     "output_tokens": t.output_tokens, "success": t.success}
-                    for t in timings
-                ]  # fmt: skip
+            for round_index in range(cfg.repeats):
+                for index, transport in enumerate(transports):
+                    # A fresh draw each round (no prompt of an earlier round is cached anywhere), and in
+                    # `prefix` each transport its own (its request 0 is a cold miss).
+                    draw = round_index * len(transports) + (index if cfg.workload == "prefix" else 0)
+                    requests = draws.setdefault(draw, requests_for(draw))
+                    for prefix, url, loop, scraped, key_for_api, speaks in targets:
+                        if transport not in speaks:
+                            continue
+                        loop_before = _core_loop(loop, key_for_api) if loop is not None else None
+                        run = run_requests(
+                            url, requests, transport, cfg.request_rate, cfg.burstiness, cfg.max_concurrency,
+                            key_for_api, cfg.seed, progress, media_source=cfg.media_source,
+                            first_alone=cfg.workload == "prefix", video_interval_s=cfg.video_interval_s,
+                            metrics_urls=scraped,
+                        )  # fmt: skip
+                        timings, duration, cache = asyncio.run(run)
+                        longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
+                        key = f"{prefix}{transport}" if prefix.endswith("/") else f"{transport}{prefix}"
+                        figures = _figures(cfg.workload, timings, duration, cache, goodput_slos, requests)
+                        loop_after = _core_loop(loop, key_for_api) if loop is not None else None
+                        if loop_after is not None:  # before the first step the server reports no loop times yet
+                            figures["engine_core_loop"] = _loop_figures(loop_before, loop_after, duration)
+                        rounds.setdefault(key, []).append(figures)
+                        raw.setdefault(key, []).extend(
+                            {"round": round_index, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "e2el_s": t.e2el_s,
+                             "itls_s": t.itls_s, "output_tokens": t.output_tokens, "success": t.success}
+                            for t in timings
+                        )  # fmt: skip
         finally:
             if server is not None:
                 server.close()
+    results = {key: _median_round(figures) for key, figures in rounds.items()}
     offline_figures = None
     if cfg.offline:
         assert model is not None
@@ -169,6 +185,7 @@ def bench_serve(
         "results": results,
         "offline": offline_figures,
         "chunk_vs_no_chunk": _chunk_comparison(results, cfg.transports[0]) if cfg.compare_no_chunk else None,
+        "peers": {name: _peer_comparison(rounds["http"], rounds[f"{name}/http"]) for name, _ in peers} or None,
         "requests": raw,
     }
     report["config"]["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate  # JSON has no inf
@@ -176,6 +193,45 @@ def bench_serve(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2))
     return report
+
+
+def _peer(index: int, spec: str) -> tuple[str, str]:
+    """--peer NAME=URL (or URL: peerN) -> (name, base URL)."""
+    name, sep, url = spec.partition("=")
+    if not sep:
+        name, url = f"peer{index + 1}", spec
+    if not name or "/" in name or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--peer: expected NAME=URL or URL (http:// or https://), got {spec!r}")
+    return name, url.rstrip("/")
+
+
+def _median_round(rounds: list[dict]) -> dict:
+    """One key's figures over the rounds: the round of median output throughput (the lower middle of an even
+    count), with every round's headline figures under `rounds` when there were several."""
+    ranked = sorted(range(len(rounds)), key=lambda i: rounds[i]["output_throughput"])
+    figures = dict(rounds[ranked[(len(rounds) - 1) // 2]])
+    if len(rounds) > 1:
+        figures["rounds"] = [{k: r.get(k) for k in _ROUND_FIGURES} for r in rounds]
+    return figures
+
+
+_ROUND_FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "failed")
+
+
+def _peer_comparison(ours: list[dict], theirs: list[dict]) -> dict:
+    """mmserve's figures over a peer's, round by round (the same requests in each round) and their medians:
+    above 1 means mmserve moved more tokens / took longer."""
+    import statistics
+
+    def ratios(name: str) -> list[float]:
+        return [a[name] / b[name] for a, b in zip(ours, theirs, strict=True) if a.get(name) and b.get(name)]
+
+    out: dict[str, Any] = {}
+    for name in ("output_throughput", "median_ttft_ms", "p99_itl_ms"):
+        per_round = ratios(name)
+        out[f"{name}_mmserve_over_peer"] = statistics.median(per_round) if per_round else None
+        out[f"{name}_mmserve_over_peer_rounds"] = per_round
+    return out
 
 
 def _figures(
@@ -300,6 +356,14 @@ def format_report(report: dict) -> str:
             f"{'p99 text ITL while videos are in:':<40}{_num(comparison['p99_text_itl_in_window_chunk_over_no_chunk'], 3):>12}\n"
             f"{'max text ITL while videos are in:':<40}{_num(comparison['max_text_itl_in_window_chunk_over_no_chunk'], 3):>12}\n"
             f"{'output tok/s, no-chunk / chunked:':<40}{_num(comparison['output_throughput_no_chunk_over_chunk'], 3):>12}"
+        )
+    for name, ratios in (report.get("peers") or {}).items():
+        rounds = len(ratios["output_throughput_mmserve_over_peer_rounds"])
+        parts.append(
+            f"== mmserve / {name} (HTTP, same requests, median of {rounds} round(s)) ==\n"
+            f"{'output tok/s:':<40}{_num(ratios['output_throughput_mmserve_over_peer'], 3):>12}\n"
+            f"{'median TTFT:':<40}{_num(ratios['median_ttft_ms_mmserve_over_peer'], 3):>12}\n"
+            f"{'p99 ITL:':<40}{_num(ratios['p99_itl_ms_mmserve_over_peer'], 3):>12}"
         )
     offline = report.get("offline")
     if offline:
