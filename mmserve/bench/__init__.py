@@ -254,3 +254,69 @@ class ServeBenchConfig:
             return quick
         return dataclasses.replace(quick, output_len=(48, 64), num_frames=min(cfg.num_frames or 0, 8),
                                    video_size=min(cfg.video_size or 0, 56))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ThroughputBenchConfig:
+    """`mmserve bench throughput`: every system offline on the same requests."""
+
+    systems: tuple[str, ...] = knob(("mmserve", "hf-static"), "comma-separated: " + ",".join(SYSTEMS), parse=_words)
+    workload: str = knob("random", choices=WORKLOADS)
+    num_prompts: int = 64
+    input_len: tuple[int, int] = knob((16, 128), "MIN-MAX prompt tokens", parse=token_range)
+    output_len: tuple[int, int] = knob((16, 256), "MIN-MAX output tokens", parse=token_range)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = knob(None, "default 2048; long-video: 512")
+    max_num_encoder_tokens: int | None = knob(None, "encoder budget per step (default: the token budget; "
+                                              "long-video: 128)")  # fmt: skip
+    encoder_token_cost: float = knob(0.0, "budget tokens each encoded embedding token takes (mmserve systems)")
+    hf_batch_size: int = 16
+    seed: int = 0
+    repeats: int = knob(1, "run every system this many times, round-robin; each reports its median run")
+    num_images: int = knob(1, "random-mm: images per prompt")
+    image_size: int = knob(64, "random-mm: image side in pixels")
+    num_frames: int | None = knob(None, "random-mm: frames of one video per prompt (default 0: none); "
+                                  "long-video: frames per video (64)")  # fmt: skip
+    video_size: int | None = knob(None, "frame side in pixels (random-mm 112, long-video 224)")
+    num_videos: int = knob(2, "long-video: video requests arriving")
+    video_interval_steps: int = knob(8, "long-video: engine steps between video arrivals (the first comes 4 "
+                                     "steps after the text prompts could have prefilled)")  # fmt: skip
+    prefix_len: int = knob(512, "prefix: shared prefix tokens")
+    structured: bool = knob(False, "also run mmserve-structured: every request constrained by a grammar (its "
+                            "per-step cost)")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if set(self.systems) - set(SYSTEMS) or not self.systems:
+            raise ValueError(f"unknown systems {sorted(set(self.systems) - set(SYSTEMS))}; choose from {SYSTEMS}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}; choose from {WORKLOADS}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.workload in ("random-mm", "long-video") and "hf-cb" in self.systems:
+            raise ValueError("hf-cb runs text workloads only (random, prefix)")
+
+    def resolved(self) -> ThroughputBenchConfig:
+        """The workload's defaults filled in: long-video has long videos under a small budget, so chunking
+        shows; `structured` adds mmserve-structured to the systems."""
+        long_video = self.workload == "long-video"
+        systems = self.systems
+        if self.structured and "mmserve-structured" not in systems:
+            systems = (*systems, "mmserve-structured")
+        return dataclasses.replace(
+            self, systems=systems,
+            num_frames=self.num_frames if self.num_frames is not None else (64 if long_video else 0),
+            video_size=self.video_size or (224 if long_video else 112),
+            max_num_batched_tokens=self.max_num_batched_tokens or (512 if long_video else 2048),
+            max_num_encoder_tokens=self.max_num_encoder_tokens or (128 if long_video else None),
+        )  # fmt: skip
+
+    def quick(self) -> ThroughputBenchConfig:
+        """`--quick`: 16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32)."""
+        cfg = dataclasses.replace(self.resolved(), num_prompts=16, input_len=(8, 32), output_len=(4, 32),
+                                  prefix_len=min(self.prefix_len, 128))  # fmt: skip
+        if self.workload != "long-video":
+            return cfg
+        # outputs then cover the videos, no more
+        return dataclasses.replace(cfg, num_prompts=8, num_videos=min(self.num_videos, 2), num_frames=16,
+                                   video_size=112, output_len=(2, 8), max_num_batched_tokens=64,
+                                   max_num_encoder_tokens=32)  # fmt: skip

@@ -12,14 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench import (
-    SYSTEMS,
-    WORKLOADS,
     KVCacheBenchConfig,
     RouterBenchConfig,
     ServeBenchConfig,
+    ThroughputBenchConfig,
     add_config_options,
     config_from_options,
-    token_range,
 )
 from mmserve.slo_flags import add_slo_planner_flags
 
@@ -37,61 +35,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="checkpoint directory (default: the bench preset, generated into ~/.cache/mmserve)",
     )
-    tput.add_argument("--systems", default="mmserve,hf-static", help="comma-separated: " + ",".join(SYSTEMS))
-    tput.add_argument("--num-prompts", type=int, default=64)
-    tput.add_argument("--input-len", default="16-128", help="MIN-MAX prompt tokens")
-    tput.add_argument("--output-len", default="16-256", help="MIN-MAX output tokens")
-    tput.add_argument("--max-num-seqs", type=int, default=64)
-    tput.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="default 2048; long-video: 512"
-    )
-    tput.add_argument(
-        "--max-num-encoder-tokens",
-        type=int,
-        default=None,
-        help="encoder budget per step (default: the token budget; long-video: 128)",
-    )
-    tput.add_argument(
-        "--encoder-token-cost",
-        type=float,
-        default=0.0,
-        help="budget tokens each encoded embedding token takes (mmserve systems; default 0)",
-    )
-    tput.add_argument("--hf-batch-size", type=int, default=16)
-    tput.add_argument("--seed", type=int, default=0)
-    tput.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="run every system this many times, round-robin; each reports its median run (noisy machines)",
-    )
+    add_config_options(tput, ThroughputBenchConfig)
     tput.add_argument("--json", type=Path, default=None, help="write every figure and the configuration here")
-    tput.add_argument("--workload", default="random", choices=list(WORKLOADS))
-    tput.add_argument("--num-images", type=int, default=1, help="random-mm: images per prompt")
-    tput.add_argument("--image-size", type=int, default=64, help="random-mm: image side in pixels")
-    tput.add_argument(
-        "--num-frames",
-        type=int,
-        default=None,
-        help="random-mm: frames of one video per prompt (default 0: none); long-video: frames per video (64)",
-    )
-    tput.add_argument(
-        "--video-size", type=int, default=None, help="frame side in pixels (random-mm 112, long-video 224)"
-    )
-    tput.add_argument("--num-videos", type=int, default=2, help="long-video: video requests arriving")
-    tput.add_argument(
-        "--video-interval-steps",
-        type=int,
-        default=8,
-        help="long-video: engine steps between video arrivals (the first comes 4 steps after the text "
-        "prompts could have prefilled)",
-    )
-    tput.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
-    tput.add_argument(
-        "--structured",
-        action="store_true",
-        help="also run mmserve-structured: every request constrained by a grammar (its per-step cost)",
-    )
     tput.add_argument(
         "--quick",
         action="store_true",
@@ -198,62 +143,12 @@ def _bench_long_video(args: argparse.Namespace) -> int:
     return 0
 
 
-def _video_shape(args: argparse.Namespace) -> tuple[int, int]:
-    """(--num-frames, --video-size) or the workload's defaults: long-video 64 frames of 224^2, otherwise
-    no video (random-mm: 112^2 when --num-frames asks for one)."""
-    long_video = args.workload == "long-video"
-    num_frames = args.num_frames if args.num_frames is not None else (64 if long_video else 0)
-    return num_frames, args.video_size or (224 if long_video else 112)
-
-
 def _bench_throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.throughput import bench_throughput, format_report
 
-    model = _bench_model(args.model)
-    num_prompts, input_len, output_len = (
-        args.num_prompts,
-        token_range(args.input_len),
-        token_range(args.output_len),
-    )
-    prefix_len, num_videos = args.prefix_len, args.num_videos
-    long_video = args.workload == "long-video"
-    # Per-workload defaults: long-video has long videos under a small budget, so chunking shows.
-    num_frames, video_size = _video_shape(args)
-    budget = args.max_num_batched_tokens or (512 if long_video else 2048)
-    encoder_budget = args.max_num_encoder_tokens or (128 if long_video else None)
-    if args.quick:
-        num_prompts, input_len, output_len, prefix_len = 16, (8, 32), (4, 32), min(prefix_len, 128)
-        if long_video:
-            num_prompts, num_videos, num_frames, video_size = 8, min(num_videos, 2), 16, 112
-            output_len, budget, encoder_budget = (2, 8), 64, 32  # outputs then cover the videos, no more
     try:
-        systems = args.systems.split(",")
-        if args.structured and "mmserve-structured" not in systems:
-            systems.append("mmserve-structured")
-        report = bench_throughput(
-            model,
-            systems,
-            num_prompts,
-            input_len,
-            output_len,
-            args.max_num_seqs,
-            budget,
-            args.hf_batch_size,
-            args.seed,
-            args.json,
-            workload_name=args.workload,
-            num_images=args.num_images,
-            image_size=args.image_size,
-            prefix_len=prefix_len,
-            progress=True,
-            num_frames=num_frames,
-            video_size=video_size,
-            num_videos=num_videos,
-            video_interval_steps=args.video_interval_steps,
-            max_num_encoder_tokens=encoder_budget,
-            repeats=args.repeats,
-            encoder_token_cost=args.encoder_token_cost,
-        )
+        cfg = config_from_options(ThroughputBenchConfig, args)
+        report = bench_throughput(_bench_model(args.model), cfg.quick() if args.quick else cfg, args.json, True)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2

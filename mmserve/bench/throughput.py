@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mmserve.bench import SYSTEMS, WORKLOADS
+from mmserve.bench import ThroughputBenchConfig
 from mmserve.bench.hf_baselines import load_hf_model, run_hf_cb, run_hf_static
 from mmserve.bench.workload import (
     Workload,
@@ -385,28 +385,7 @@ def _run_system(
 
 
 def bench_throughput(
-    model_dir: Path,
-    systems: list[str],
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    hf_batch_size: int = 16,
-    seed: int = 0,
-    json_path: Path | None = None,
-    workload_name: str = "random",
-    num_images: int = 1,
-    image_size: int = 64,
-    prefix_len: int = 512,
-    progress: bool = False,
-    num_frames: int = 0,
-    video_size: int = 112,
-    num_videos: int = 2,
-    video_interval_steps: int = 8,
-    max_num_encoder_tokens: int | None = None,
-    repeats: int = 1,
-    encoder_token_cost: float = 0.0,
+    model_dir: Path, config: ThroughputBenchConfig, json_path: Path | None = None, progress: bool = False
 ) -> dict:
     """Every system on the same workload, `repeats` times round-robin (so drift on a shared machine
     hits every system alike); each system reports its median run, the roofline its best measurement."""
@@ -414,49 +393,41 @@ def bench_throughput(
 
     from mmserve.models.config import DecoderConfig
 
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    if workload_name not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload_name!r}; choose from {WORKLOADS}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if workload_name in ("random-mm", "long-video") and "hf-cb" in systems:
-        raise ValueError("hf-cb runs text workloads only (random, prefix)")
+    c = config.resolved()
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
-    if workload_name == "random":
-        workload = random_workload(cfg.vocab_size, num_prompts, input_len, output_len, seed)
-    elif workload_name == "prefix":
-        workload = prefix_workload(cfg.vocab_size, num_prompts, prefix_len, input_len, output_len, seed)
-    elif workload_name == "random-mm":
+    if c.workload == "random":
+        workload = random_workload(cfg.vocab_size, c.num_prompts, c.input_len, c.output_len, c.seed)
+    elif c.workload == "prefix":
+        workload = prefix_workload(cfg.vocab_size, c.num_prompts, c.prefix_len, c.input_len, c.output_len, c.seed)
+    elif c.workload == "random-mm":
         workload = random_mm_workload(
             model_dir,
-            num_prompts,
-            input_len,
-            output_len,
-            num_images,
-            image_size,
-            seed,
-            num_frames,
-            video_size,
+            c.num_prompts,
+            c.input_len,
+            c.output_len,
+            c.num_images,
+            c.image_size,
+            c.seed,
+            c.num_frames,
+            c.video_size,
         )
     else:
         workload = long_video_workload(
-            model_dir, cfg.vocab_size, num_prompts, input_len, output_len, num_videos, num_frames,
-            video_size, video_interval_steps, max_num_batched_tokens,
-            max_num_encoder_tokens or max_num_batched_tokens, seed,
+            model_dir, cfg.vocab_size, c.num_prompts, c.input_len, c.output_len, c.num_videos, c.num_frames,
+            c.video_size, c.video_interval_steps, c.max_num_batched_tokens,
+            c.max_num_encoder_tokens or c.max_num_batched_tokens, c.seed,
         )  # fmt: skip
     hf_model = load_hf_model(model_dir)
     rooflines: list[float] = []
     # system -> [(elapsed, greedy tokens, mmserve run or None, CPU seconds)], one per repeat
-    runs: dict[str, list[tuple[float, list[list[int]], MmserveRun | None, float]]] = {k: [] for k in systems}
-    with tqdm(total=repeats * len(systems), desc="bench throughput", disable=not progress) as bar:
-        for _ in range(repeats):
+    runs: dict[str, list[tuple[float, list[list[int]], MmserveRun | None, float]]] = {k: [] for k in c.systems}
+    with tqdm(total=c.repeats * len(c.systems), desc="bench throughput", disable=not progress) as bar:
+        for _ in range(c.repeats):
             rooflines.append(dense_token_rate(hf_model, cfg.vocab_size))
-            for system in systems:
+            for system in c.systems:
                 run = _run_system(
-                    system, model_dir, hf_model, workload, max_num_seqs, max_num_batched_tokens,
-                    max_num_encoder_tokens, hf_batch_size, encoder_token_cost,
+                    system, model_dir, hf_model, workload, c.max_num_seqs, c.max_num_batched_tokens,
+                    c.max_num_encoder_tokens, c.hf_batch_size, c.encoder_token_cost,
                 )  # fmt: skip
                 runs[system].append(run)
                 gc.collect()
@@ -488,12 +459,12 @@ def bench_throughput(
             total_tokens_per_s=(workload.num_prompt_tokens + workload.num_output_tokens) / elapsed,
             efficiency=out_rate / bound,
             **mmserve_fields,
-            elapsed_s_runs=[r[0] for r in system_runs] if repeats > 1 else None,
+            elapsed_s_runs=[r[0] for r in system_runs] if c.repeats > 1 else None,
             expert_share_runs=[r[2].expert_share for r in system_runs]
-            if repeats > 1 and run is not None and run.expert_share is not None
+            if c.repeats > 1 and run is not None and run.expert_share is not None
             else None,
             cpu_s=sorted(cpu_runs)[(len(cpu_runs) - 1) // 2],
-            cpu_s_runs=cpu_runs if repeats > 1 else None,
+            cpu_s_runs=cpu_runs if c.repeats > 1 else None,
         )
     if "hf-static" in results:
         base, base_cpu = results["hf-static"].output_tokens_per_s, results["hf-static"].cpu_s
@@ -508,29 +479,7 @@ def bench_throughput(
             for k, r in results.items()
         }
     report = {
-        "config": {
-            "model": str(model_dir),
-            "systems": systems,
-            "workload": workload_name,
-            "num_images": num_images if workload_name == "random-mm" else 0,
-            "image_size": image_size if workload_name == "random-mm" else None,
-            "num_frames": num_frames if workload_name in ("random-mm", "long-video") else 0,
-            "video_size": video_size if workload.video_tokens else None,
-            "num_videos": num_videos if workload_name == "long-video" else None,
-            "video_interval_steps": video_interval_steps if workload_name == "long-video" else None,
-            "prefix_len": prefix_len if workload_name == "prefix" else None,
-            "num_prompts": num_prompts,
-            "input_len": input_len,
-            "output_len": output_len,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "max_num_encoder_tokens": max_num_encoder_tokens,
-            "encoder_token_cost": encoder_token_cost,
-            "hf_batch_size": hf_batch_size,
-            "seed": seed,
-            "repeats": repeats,
-            "torch_threads": torch.get_num_threads(),
-        },
+        "config": {**asdict(c), "model": str(model_dir), "torch_threads": torch.get_num_threads()},
         "workload": {
             "prompt_tokens": workload.num_prompt_tokens,
             "output_tokens": workload.num_output_tokens,
@@ -547,7 +496,7 @@ def bench_throughput(
         # Greedy outputs of every system should agree; report how many requests differ from the first.
         # With repeats, the worst run of each system counts.
         "outputs_differing_from_first_system": {
-            k: max(sum(a != b for a, b in zip(r[1], tokens[systems[0]], strict=True)) for r in v)
+            k: max(sum(a != b for a, b in zip(r[1], tokens[c.systems[0]], strict=True)) for r in v)
             for k, v in runs.items()
         },
         **_chunking_cost(results),
