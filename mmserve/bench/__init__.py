@@ -320,3 +320,59 @@ class ThroughputBenchConfig:
         return dataclasses.replace(cfg, num_prompts=8, num_videos=min(self.num_videos, 2), num_frames=16,
                                    video_size=112, output_len=(2, 8), max_num_batched_tokens=64,
                                    max_num_encoder_tokens=32)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorParallelBenchConfig:
+    """`mmserve bench tensor-parallel`: what one run measures. Every (round, concurrency) draws fresh prompts
+    that every TP size gets."""
+
+    tensor_parallel_sizes: tuple[int, ...] = knob((1, 2), "every engine is built once")
+    concurrency: tuple[int, ...] = knob((1, 16, 64), "requests decoding together")
+    input_len: int = knob(32, "prompt tokens of every request")
+    output_len: int = knob(128, "max_tokens (ignore_eos): output-len - 1 decode steps a run")
+    rounds: int = knob(3, "each round runs every concurrency on every TP size, in turn")
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_sizes", "concurrency"):
+            values = getattr(self, name)
+            if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+                raise ValueError(f"{name}: distinct integers >= 1, got {list(values)}")
+        for name in ("input_len", "rounds", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.output_len < 2:
+            raise ValueError(f"output_len must be >= 2 (a run needs a decode step), got {self.output_len}")
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Room for every request of the largest concurrency, twice over (small: both engines live at once)."""
+        per_request = math.ceil((self.input_len + self.output_len) / self.block_size) + 1
+        return 2 * max(self.concurrency) * per_request
+
+
+@dataclass(frozen=True)
+class LongVideoBenchConfig:
+    """`mmserve bench long-video`: text requests decode while one long video prefills."""
+
+    num_decodes: int = 16
+    num_frames: int = 64
+    frame_size: int = 224
+    max_num_batched_tokens: int = 512
+    max_num_encoder_tokens: int = 128
+    max_step_ms: tuple[float, ...] = knob((250.0,), "step-time targets, one chunked run each (0: fixed token "
+                                          "budgets)")  # fmt: skip
+    whole: bool = knob(True, "also run with the video encoded whole (--no-whole: skip it)")
+    dtype: str | None = knob(None, choices=("float32", "bfloat16", "float16"))
+
+    def __post_init__(self) -> None:
+        if not self.max_step_ms or min(self.num_decodes, self.num_frames, self.frame_size) < 1:
+            raise ValueError("long-video needs a step-time target and positive sizes")
+
+    def quick(self) -> LongVideoBenchConfig:
+        """`--quick`: 4 decodes, a 16-frame 112x112 video, budgets 64/32."""
+        return dataclasses.replace(self, num_decodes=4, num_frames=16, frame_size=112, max_num_batched_tokens=64,
+                                   max_num_encoder_tokens=32)  # fmt: skip

@@ -13,8 +13,10 @@ from typing import Any
 
 from mmserve.bench import (
     KVCacheBenchConfig,
+    LongVideoBenchConfig,
     RouterBenchConfig,
     ServeBenchConfig,
+    TensorParallelBenchConfig,
     ThroughputBenchConfig,
     add_config_options,
     config_from_options,
@@ -53,15 +55,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     video.add_argument(
         "--model", type=Path, default=None, help="a Qwen2-VL checkpoint (default: the bench preset)"
     )
-    video.add_argument("--num-decodes", type=int, default=16)
-    video.add_argument("--num-frames", type=int, default=64)
-    video.add_argument("--frame-size", type=int, default=224)
-    video.add_argument("--max-num-batched-tokens", type=int, default=512)
-    video.add_argument("--max-num-encoder-tokens", type=int, default=128)
-    video.add_argument("--max-step-ms", type=_float_list, default=(250.0,),
-                       help="comma-separated step-time targets, one chunked run each (0: fixed token budgets)")  # fmt: skip
-    video.add_argument("--no-whole", action="store_true", help="skip the run that encodes the video whole")
-    video.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_config_options(video, LongVideoBenchConfig)
     video.add_argument("--json", type=Path, default=None)
     video.add_argument(
         "--quick", action="store_true", help="4 decodes, a 16-frame 112x112 video, budgets 64/32: a smoke run"
@@ -130,14 +124,12 @@ def _write_plots(report: dict, plot_dir: Path | None, plotter: str) -> None:
 def _bench_long_video(args: argparse.Namespace) -> int:
     from mmserve.bench.long_video import bench_long_video, format_report
 
-    if args.quick:
-        args.num_decodes, args.num_frames, args.frame_size = 4, 16, 112
-        args.max_num_batched_tokens, args.max_num_encoder_tokens = 64, 32
-    report = bench_long_video(
-        _bench_model(args.model), args.num_decodes, args.num_frames, args.frame_size,
-        args.max_num_batched_tokens, args.max_num_encoder_tokens, args.json, args.max_step_ms,
-        not args.no_whole, args.dtype,
-    )  # fmt: skip
+    try:
+        cfg = config_from_options(LongVideoBenchConfig, args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_long_video(_bench_model(args.model), cfg.quick() if args.quick else cfg, args.json)
     print(format_report(report))
     _write_plots(report, args.plot, "plot_long_video")
     return 0
@@ -223,22 +215,7 @@ def _add_bench_tensor_parallel_parser(bench_sub: argparse._SubParsersAction) -> 
     p.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory (default: the qwen2 bench preset)"
     )
-    p.add_argument(
-        "--tensor-parallel-sizes", default="1,2", help="comma-separated; every engine is built once"
-    )
-    p.add_argument("--concurrency", default="1,16,64", help="comma-separated: requests decoding together")
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens of every request")
-    p.add_argument(
-        "--output-len",
-        type=int,
-        default=128,
-        help="max_tokens (ignore_eos): output-len - 1 decode steps a run",
-    )
-    p.add_argument(
-        "--rounds", type=int, default=3, help="each round runs every concurrency on every TP size, in turn"
-    )
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    add_config_options(p, TensorParallelBenchConfig)
     p.add_argument("--out", type=Path, default=None, help="write tensor_parallel.json (and its PNG) here")
     p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
@@ -322,19 +299,10 @@ def _bench_quantization(args: argparse.Namespace) -> int:
     return 0 if _run_config_bench(QuantizationBenchConfig, args, bench_quantization, format_report) is not None else 2
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def _bench_tensor_parallel(args: argparse.Namespace) -> int:
     import importlib.util
 
     from mmserve.bench.tensor_parallel import (
-        TensorParallelBench,
         bench_tensor_parallel,
         default_model,
         format_report,
@@ -342,11 +310,7 @@ def _bench_tensor_parallel(args: argparse.Namespace) -> int:
     )
 
     try:
-        cfg = TensorParallelBench(
-            tensor_parallel_sizes=_int_list(args.tensor_parallel_sizes), concurrency=_int_list(args.concurrency),
-            input_len=args.input_len, output_len=args.output_len, rounds=args.rounds,
-            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        )  # fmt: skip
+        cfg = config_from_options(TensorParallelBenchConfig, args)
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from mmserve import LLM, SamplingParams
+from mmserve.bench import LongVideoBenchConfig
 from mmserve.bench.workload import video_prompt
 from mmserve.engine.messages import StepRecord
 
@@ -96,42 +98,23 @@ def step_timeline(steps: list[StepRecord]) -> list[dict]:
     ]
 
 
-def bench_long_video(
-    model_dir: Path,
-    num_decodes: int = 16,
-    num_frames: int = 64,
-    frame_size: int = 224,
-    max_num_batched_tokens: int = 512,
-    max_num_encoder_tokens: int = 128,
-    json_path: Path | None = None,
-    max_step_ms: tuple[float, ...] = (250.0,),
-    whole: bool = True,
-    dtype: str | None = None,
-) -> dict:
+def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig, json_path: Path | None = None) -> dict:
     """One chunked run per `max_step_ms` (0: fixed token budgets), then, with `whole`, the video encoded
     whole under the first of them."""
-    runs = [(True, m or None) for m in max_step_ms] + ([(False, max_step_ms[0] or None)] if whole else [])
+    first = cfg.max_step_ms[0] or None
+    runs = [(True, m or None) for m in cfg.max_step_ms] + ([(False, first)] if cfg.whole else [])
     results = [
         run_once(
-            model_dir, chunk, num_decodes, num_frames, frame_size, max_num_batched_tokens,
-            max_num_encoder_tokens, step_ms, dtype,
+            model_dir, chunk, cfg.num_decodes, cfg.num_frames, cfg.frame_size, cfg.max_num_batched_tokens,
+            cfg.max_num_encoder_tokens, step_ms, cfg.dtype,
         )
         for chunk, step_ms in runs
     ]  # fmt: skip
     report = {
-        "config": {
-            "model": str(model_dir),
-            "num_decodes": num_decodes,
-            "num_frames": num_frames,
-            "frame_size": frame_size,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "max_num_encoder_tokens": max_num_encoder_tokens,
-            "max_step_ms": list(max_step_ms),
-            "dtype": dtype,
-        },
+        "config": {**asdict(cfg), "model": str(model_dir)},
         "runs": results,
     }
-    if whole:
+    if cfg.whole:
         report["max_step_ratio_off_over_on"] = results[-1]["max_step_s"] / results[0]["max_step_s"]
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

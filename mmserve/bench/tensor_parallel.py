@@ -11,13 +11,14 @@ import platform
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from mmserve.bench import TensorParallelBenchConfig
 from mmserve.engine.messages import StepRecord
 
 if TYPE_CHECKING:
@@ -25,37 +26,6 @@ if TYPE_CHECKING:
 
 JSON_NAME = "tensor_parallel.json"
 PLOT_NAME = "tensor_parallel.png"
-
-
-@dataclass(frozen=True)
-class TensorParallelBench:
-    """What one run measures. Every (round, concurrency) draws fresh prompts that every TP size gets."""
-
-    tensor_parallel_sizes: tuple[int, ...] = (1, 2)
-    concurrency: tuple[int, ...] = (1, 16, 64)
-    input_len: int = 32  # prompt tokens of every request
-    output_len: int = 128  # max_tokens (ignore_eos): output_len - 1 pure decode steps per run
-    rounds: int = 3
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_parallel_sizes", "concurrency"):
-            values = getattr(self, name)
-            if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-                raise ValueError(f"{name}: distinct integers >= 1, got {list(values)}")
-        for name in ("input_len", "rounds", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.output_len < 2:
-            raise ValueError(f"output_len must be >= 2 (a run needs a decode step), got {self.output_len}")
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """Room for every request of the largest concurrency, twice over (small: both engines live at once)."""
-        per_request = math.ceil((self.input_len + self.output_len) / self.block_size) + 1
-        return 2 * max(self.concurrency) * per_request
 
 
 def default_model() -> Path:
@@ -136,7 +106,7 @@ def _stats(steps: list[StepRecord], concurrency: int, per_round: list[list[StepR
     }
 
 
-def _build(model_dir: Path, tp: int, cfg: TensorParallelBench) -> tuple[LLM, dict]:
+def _build(model_dir: Path, tp: int, cfg: TensorParallelBenchConfig) -> tuple[LLM, dict]:
     from mmserve import LLM
 
     threads_before = torch.get_num_threads()
@@ -177,7 +147,7 @@ def _run_once(
 
 
 def bench_tensor_parallel(
-    model_dir: Path, cfg: TensorParallelBench, out_dir: Path | None = None, progress: bool = False
+    model_dir: Path, cfg: TensorParallelBenchConfig, out_dir: Path | None = None, progress: bool = False
 ) -> dict:
     """Every TP size on the same requests, alternating: for each round and concurrency the sizes run
     one after another (reversed every other round, so drift on a shared machine hits them alike)."""
@@ -288,7 +258,7 @@ def _load_average() -> list[float] | None:
 
 def _report(
     model_dir: Path,
-    cfg: TensorParallelBench,
+    cfg: TensorParallelBenchConfig,
     engines: dict[int, dict],
     steps: dict[tuple[int, int], list[list[StepRecord]]],
     differing: dict[tuple[int, int], int],
