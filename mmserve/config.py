@@ -191,7 +191,9 @@ class EngineArgs:
 
     model: str
     device: str | None = None  # None: cuda when available, else cpu
-    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    # float32 | bfloat16 | float16 | auto (bf16 on CUDA and on CPUs with native bf16, else fp32); None:
+    # $MMSERVE_DTYPE, else auto (engine/device.py).
+    dtype: str | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     block_size: int = 16
@@ -248,9 +250,9 @@ class EngineArgs:
             raise InvalidRequestError(
                 f"device: must be 'cpu', 'cuda' or None, got {self.device!r}", param="device"
             )
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(
-                f"dtype: must be 'float32', 'bfloat16', 'float16' or None, got {self.dtype!r}", param="dtype"
+                f"dtype: must be 'auto', 'float32', 'bfloat16', 'float16' or None, got {self.dtype!r}", param="dtype"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise InvalidRequestError(

@@ -14,6 +14,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The parity suites compare fp32 engines with transformers in fp32: an engine given no dtype would pick bf16 on a
+# CPU with native bf16 (engine/device.py). Tests of that default unset this; servers the tests start inherit it.
+os.environ.setdefault("MMSERVE_DTYPE", "float32")
+
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2")
 
 

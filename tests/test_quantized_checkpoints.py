@@ -145,19 +145,19 @@ class Reference:
     logprobs: list[list[torch.Tensor]]  # per prompt and step: [vocab] log-softmax, teacher-forced on `tokens`
 
 
-_REFERENCES: dict[Path, Reference] = {}
+_REFERENCES: dict[tuple[Path, torch.dtype], Reference] = {}
 
 
-def hf_reference(model_dir: Path, prompts: list[list[int]]) -> Reference:
-    """transformers' greedy tokens and each step's log-probabilities (loading quantized checkpoints through its
-    compressed-tensors quantizer), one prompt at a time."""
-    if model_dir in _REFERENCES:
-        return _REFERENCES[model_dir]
+def hf_reference(model_dir: Path, prompts: list[list[int]], dtype: torch.dtype = torch.float32) -> Reference:
+    """transformers' greedy tokens and each step's log-probabilities in `dtype` (loading quantized checkpoints
+    through its compressed-tensors quantizer), one prompt at a time."""
+    if (model_dir, dtype) in _REFERENCES:
+        return _REFERENCES[model_dir, dtype]
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir)
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = auto.from_pretrained(model_dir, dtype=dtype).eval()
     tokens, logprobs = [], []
     for prompt in prompts:
         with torch.inference_mode():
@@ -168,8 +168,8 @@ def hf_reference(model_dir: Path, prompts: list[list[int]]) -> Reference:
             )  # fmt: skip
         tokens.append(out.sequences[0, len(prompt) :].tolist())
         logprobs.append([torch.log_softmax(step[0].float(), -1) for step in out.logits])
-    _REFERENCES[model_dir] = Reference(tokens, logprobs)
-    return _REFERENCES[model_dir]
+    _REFERENCES[model_dir, dtype] = Reference(tokens, logprobs)
+    return _REFERENCES[model_dir, dtype]
 
 
 def check_greedy(llm: LLM, prompts: list[list[int]], ref: Reference, atol: float = WEIGHT_ONLY_ATOL) -> None:

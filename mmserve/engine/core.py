@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from mmserve.engine.device import resolve_device, resolve_dtype
 from mmserve.engine.executor import Executor, InProcessExecutor
 from mmserve.engine.faults import EngineFatalError, StepFault
 from mmserve.engine.kv_event_publisher import KVEventPublisher
@@ -56,8 +57,8 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_config, self.hf_config = DecoderConfig.from_pretrained(args.model)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype_name = args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.device = resolve_device(args.device)
+        dtype_name = resolve_dtype(args.dtype, self.device)
         self.dtype = DTYPES[dtype_name]
         self.kv_cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or self.dtype
         self.tensor_parallel_size = args.tensor_parallel_size
