@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--device", default=None)
-    gen.add_argument("--dtype", default=None)
+    gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                     help="as serve's --dtype")  # fmt: skip
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
 
     add_bench_parser(sub)
@@ -214,7 +215,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--shutdown-timeout-s", type=float, default=10.0, help="SIGTERM: drain this long")
     serve.add_argument("--device", default=None)
-    serve.add_argument("--dtype", default=None)
+    serve.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 or AMX), float32 on "
+        "other CPUs (default: $MMSERVE_DTYPE, else auto)",
+    )
     serve.add_argument(
         "--kv-cache-dtype",
         default="auto",
