@@ -190,7 +190,7 @@ def test_bench_serve_runs_a_peer_server_beside_mmserve_round_by_round(
     from mmserve.bench.servers import InProcessServer
 
     model = tiny_model_dir("qwen2_vl")
-    peer = InProcessServer(model, max_num_seqs=8)
+    peer = InProcessServer(model, served_model_name="peer-model", max_num_seqs=8)  # asked for by its own name
     out = tmp_path / "serve.json"
     try:
         argv = ["bench", "serve", "--model", str(model), "--quick", "--no-progress", "--json", str(out)]

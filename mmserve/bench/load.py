@@ -24,11 +24,16 @@ TRANSPORTS = ("ws", "http")
 
 
 async def send_http(
-    client: Any, base_url: str, req: Request, headers: dict, first_token: asyncio.Event | None = None
+    client: Any,
+    base_url: str,
+    req: Request,
+    headers: dict,
+    first_token: asyncio.Event | None = None,
+    model: str = "bench",
 ) -> RequestTiming:
-    """One streamed `POST /v1/chat/completions`; each non-empty content delta's arrival is recorded, and
-    `first_token` (if given) is set at the first."""
-    body = {"model": "bench", **req.body(), "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed `POST /v1/chat/completions` naming `model`; each non-empty content delta's arrival is
+    recorded, and `first_token` (if given) is set at the first."""
+    body = {"model": model, **req.body(), "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     chunks: list[float] = []
     usage: dict = {}
@@ -186,6 +191,19 @@ async def upload_media(
     return out
 
 
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model a server lists at /v1/models (what a peer must be asked for by name)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    models = r.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return str(models[0]["id"])
+
+
 async def arrivals(n: int, request_rate: float, burstiness: float, seed: int) -> AsyncIterator[int]:
     """Indices 0..n-1 at gamma-distributed gaps (mean 1/rate; burstiness 1 is Poisson), as vLLM does;
     all at once when the rate is infinite."""
@@ -262,6 +280,7 @@ async def run_requests(
     video_interval_s: float = 2.0,
     metrics_urls: Sequence[str] | None = None,
     warm_up: bool = True,
+    model: str = "bench",
 ) -> tuple[list[RequestTiming], float, dict]:
     """Send every request (with `warm_up`, one of its own first, not counted); returns the timings (in
     `requests`' order), the duration (first send to last end) and the server's cache figures over the run
@@ -294,7 +313,7 @@ async def run_requests(
         else:
 
             async def send(req: Request, first_token: asyncio.Event | None = None) -> RequestTiming:
-                return await send_http(client, url, req, headers, first_token)
+                return await send_http(client, url, req, headers, first_token, model)
 
         if warm_up:  # on a text of its own: no prefix- or encoder-cache hits for the measured requests
             warm = await send(Request([{"role": "user", "content": "Warm up."}], 2))

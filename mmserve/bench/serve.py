@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench import ServeBenchConfig
-from mmserve.bench.load import run_requests
+from mmserve.bench.load import run_requests, served_model
 from mmserve.bench.metrics import (
     RequestTiming,
     compute_metrics,
@@ -130,6 +130,7 @@ def bench_serve(
         # (key prefix, url, engine-core loop URL, /metrics URLs, API key, transports)
         targets = [("" if system == "mmserve" else f"/{system}", base_url, loop_url, metrics_urls, api_key, transports)]
         targets += [(f"{name}/", url, None, [url], None, ("http",)) for name, url in peers]
+        names = {f"{name}/": served_model(url) for name, url in peers}  # what each peer must be asked for
         try:
             for round_index in range(cfg.repeats):
                 for index, transport in enumerate(transports):
@@ -145,7 +146,7 @@ def bench_serve(
                             url, requests, transport, cfg.request_rate, cfg.burstiness, cfg.max_concurrency,
                             key_for_api, cfg.seed, progress, media_source=cfg.media_source,
                             first_alone=cfg.workload == "prefix", video_interval_s=cfg.video_interval_s,
-                            metrics_urls=scraped,
+                            metrics_urls=scraped, model=names.get(prefix, "bench"),
                         )  # fmt: skip
                         timings, duration, cache = asyncio.run(run)
                         longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])

@@ -21,7 +21,7 @@ from typing import Any
 class InProcessServer:
     """`create_app` over a real `AsyncEngine`, served by uvicorn in a daemon thread on a free port."""
 
-    def __init__(self, model: Path, **engine_kwargs: Any) -> None:
+    def __init__(self, model: Path, served_model_name: str = "bench", **engine_kwargs: Any) -> None:
         from mmserve.api.app import create_app
         from mmserve.api.server import ServerThread
         from mmserve.api.settings import ServerSettings
@@ -30,7 +30,7 @@ class InProcessServer:
 
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
         self.engine = AsyncEngine(EngineArgs(str(model), **engine_kwargs), max_waiting_requests=1 << 20)
-        settings = ServerSettings(data_dir=Path(self._tmp.name), served_model_name="bench")
+        settings = ServerSettings(data_dir=Path(self._tmp.name), served_model_name=served_model_name)
         app = create_app(self.engine, settings)
         self.server = ServerThread(lambda: app, ws_max_size=settings.max_ws_message_bytes + 1024)
         self.url = self.server.url
