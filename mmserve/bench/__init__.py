@@ -14,16 +14,29 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mmserve.bench.slo_mix import Calibration
 
 
-def knob(default: Any, help: str = "", *, flag: str | None = None, parse: Callable[[str], Any] | None = None,
-         choices: tuple[str, ...] | None = None, repeat: bool = False, words: bool = False) -> Any:
-    """A config field that is one command-line option: `--field-name` (or `flag`), `help`; the value read by
-    `parse`, else by the field's type (a tuple: comma-separated items; a bool: --x / --no-x). `repeat`: the
-    option may be given again, each adding one item; `words`: the items follow the option as separate words."""
-    meta = {"help": help, "flag": flag, "parse": parse, "choices": choices, "repeat": repeat, "words": words}
+def knob(default: Any, help: str = "", *, flag: str | tuple[str, ...] | None = None,
+         parse: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None, repeat: bool = False,
+         words: bool = False, option: str = "own") -> Any:
+    """A config field that is one command-line option: `--field-name` (or `flag`, or several: aliases), `help`;
+    the value read by `parse`, else by the field's type (a tuple: comma-separated items; a bool: --x / --no-x).
+    `repeat`: the option may be given again, each adding one item; `words`: the items follow the option as
+    separate words. `option`: "own" (this config makes the option), "shared" (another config or module makes an
+    option of the same dest; its value, or None, reads into this field too) or "none" (not an option: the
+    default always)."""
+    meta = {"help": help, "flag": flag, "parse": parse, "choices": choices, "repeat": repeat, "words": words,
+            "option": option}  # fmt: skip
     return field(default=default, metadata=meta)
+
+
+def _flags(f: dataclasses.Field) -> tuple[str, ...]:
+    flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+    return (flag,) if isinstance(flag, str) else flag
 
 
 def _value_type(cls: type, f: dataclasses.Field) -> Any:
@@ -39,7 +52,9 @@ def add_config_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     the field's default)."""
     for f in dataclasses.fields(cls):
         meta, default = f.metadata, f.default
-        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        if meta.get("option", "own") != "own":
+            continue
+        flags = _flags(f)
         shown = f" (default: {','.join(map(str, default)) if isinstance(default, tuple) else default})"
         shown = "" if default is None or default == () else shown
         help_text = (meta.get("help") or "") + shown
@@ -47,30 +62,33 @@ def add_config_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kwargs)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, **kwargs)
         elif meta.get("repeat"):
-            parser.add_argument(flag, action="append", default=None, **kwargs)
+            parser.add_argument(*flags, action="append", default=None, **kwargs)
         elif meta.get("words"):
-            parser.add_argument(flag, nargs="+", default=None, **kwargs)
+            parser.add_argument(*flags, nargs="+", default=None, **kwargs)
         else:
-            parser.add_argument(flag, default=None, **kwargs)  # None: the field's default (read as given)
+            parser.add_argument(*flags, default=None, **kwargs)  # None: the field's default (read as given)
 
 
 def config_from_options(cls: type, args: argparse.Namespace) -> Any:
-    """The `cls` instance that `add_config_options` options describe; ValueError for a value that does not
-    read."""
+    """The `cls` instance that `add_config_options` options (and the shared ones its fields name) describe;
+    ValueError for a value that does not read."""
     values = {}
     for f in dataclasses.fields(cls):
-        raw, meta = getattr(args, f.name), f.metadata
+        meta = f.metadata
+        raw = None if meta.get("option") == "none" else getattr(args, f.name, None)
         if raw is None or isinstance(raw, bool):
             values[f.name] = f.default if raw is None else raw
             continue
-        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        flag = _flags(f)[0]
         try:
             if meta.get("parse") is not None:
                 values[f.name] = meta["parse"](raw)
             elif isinstance(raw, list):  # repeat / words: the items as given
                 values[f.name] = tuple(raw)
+            elif not isinstance(raw, str):  # a shared option its own parser already read
+                values[f.name] = raw
             else:
                 values[f.name] = _read(_value_type(cls, f), raw)
         except ValueError as exc:
@@ -163,7 +181,7 @@ def _words(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
-    """`mmserve bench serve` (every workload but slo-mix, which has `slo_mix.MixConfig`)."""
+    """`mmserve bench serve` (every workload but slo-mix, which has `MixConfig`)."""
 
     url: str | None = knob(None, "a running server; default: start one on --model")
     metrics_url: tuple[str, ...] = knob(
@@ -376,3 +394,115 @@ class LongVideoBenchConfig:
         """`--quick`: 4 decodes, a 16-frame 112x112 video, budgets 64/32."""
         return dataclasses.replace(self, num_decodes=4, num_frames=16, frame_size=112, max_num_batched_tokens=64,
                                    max_num_encoder_tokens=32)  # fmt: skip
+
+
+SLO_POLICIES = ("fcfs", "priority", "slo")  # the scheduler policies slo-mix compares
+
+
+def _zero_none(value: float | str) -> float | None:
+    return float(value) or None
+
+
+@dataclass(frozen=True)
+class MixConfig:
+    """`mmserve bench serve --workload slo-mix`: one run. Loads are chat arrival rates (req/s); each load runs
+    `duration_s` of chats over a fresh backlog of `num_batch` batch jobs sent at its start. The request shapes
+    are not options; the engine sizes and the slo planner's settings are `bench serve`'s and `serve`'s options."""
+
+    loads: tuple[float, ...] = knob((0.5, 1.0, 2.0), "comma-separated chat arrival rates (req/s)")
+    duration_s: float = knob(20.0, "seconds of chats per load")
+    num_batch: int = knob(6, "batch jobs per load, cycling text, multi-image, video (with --sweep: a backlog of "
+                          "about half a phase's compute, measured)")  # fmt: skip
+    policies: tuple[str, ...] = knob(SLO_POLICIES, "comma-separated")
+    ttft_ms: float = knob(1000.0, "interactive TTFT target: the server's class default and the attainment bar "
+                          "(with --sweep: from a measurement at start)", flag="--slo-ttft-ms")  # fmt: skip
+    tbt_ms: float = knob(100.0, "interactive TBT target, judged on TPOT (with --sweep: measured)",
+                         flag="--slo-tbt-ms")  # fmt: skip
+    admission_control: str = knob("off", "the slo policy's answer to a chat it predicts cannot make its TTFT",
+                                  flag=("--slo-admission", "--admission-control"),
+                                  choices=("off", "downgrade", "reject"))  # fmt: skip
+    chat_input_len: tuple[int, int] = knob((16, 64), option="none")
+    chat_output_len: tuple[int, int] = knob((16, 32), option="none")
+    chat_image_share: float = knob(0.5, option="none")  # of chats, the share with one image
+    batch_input_len: tuple[int, int] = knob((768, 1024), option="none")  # long-text jobs (approximate tokens)
+    batch_output_len: tuple[int, int] = knob((32, 64), option="none")
+    batch_images: int = knob(4, option="none")  # per multi-image job
+    image_size: int = knob(112, option="none")  # chat and batch images (pixels per side)
+    video_frames: int = knob(32, option="none")  # frames kept of each long video (2 fps sampling: a 16 s clip)
+    video_size: int = knob(112, option="none")
+    max_num_batched_tokens: int = knob(2048, option="shared")  # bench serve's options
+    max_num_seqs: int = knob(64, option="shared")
+    seed: int = knob(0, option="shared")
+    # The slo planner's, as `mmserve serve` takes them (mmserve/slo_flags.py):
+    step_time_model: str | None = knob(None, option="shared")  # `bench profile` JSON: a warm start for every policy
+    max_step_ms: float | None = knob(250.0, option="shared", parse=_zero_none)  # while decodes run (None: fixed)
+    step_time_headroom: float = knob(0.1, option="shared")  # steps are planned to (1 - this) x their time target
+    tbt_slack_ms: float = knob(250.0, option="shared")  # the slo policy's lend of a stream's lead on its TBT pace
+    batch_min_share: float = knob(0.1, option="shared")  # the slo policy's share of each step kept for batch work
+
+    def __post_init__(self) -> None:
+        if not self.loads or any(not (x > 0 and math.isfinite(x)) for x in self.loads):
+            raise ValueError("slo-mix: loads must be positive finite chat rates (req/s)")
+        if set(self.policies) - set(SLO_POLICIES) or not self.policies:
+            raise ValueError(f"slo-mix: policies must be among {SLO_POLICIES}")
+
+    def engine_kwargs(self, policy: str) -> dict[str, Any]:
+        """The in-process server's `EngineArgs` fields for `policy` (the others ignore the slo-only ones)."""
+        return dict(
+            scheduler_policy=policy, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, interactive_ttft_ms=self.ttft_ms, interactive_tbt_ms=self.tbt_ms,
+            step_time_model=self.step_time_model, max_step_ms=self.max_step_ms,
+            step_time_headroom=self.step_time_headroom, tbt_slack_ms=self.tbt_slack_ms,
+            batch_min_share=self.batch_min_share, admission_control=self.admission_control,
+        )  # fmt: skip
+
+    def quick(self) -> MixConfig:
+        """`--quick`: a smoke run of the whole pipeline (each policy, one load, a few small requests, targets
+        every chat meets) on the tiny model; the policies and the planner settings stay."""
+        return dataclasses.replace(
+            self, loads=(2.0,), duration_s=2.0, num_batch=3, chat_input_len=(8, 16), chat_output_len=(2, 4),
+            batch_input_len=(48, 64), batch_output_len=(2, 4), batch_images=2, image_size=56, video_frames=4,
+            video_size=56, ttft_ms=60_000.0, tbt_ms=60_000.0, max_num_batched_tokens=128, max_num_seqs=16,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """`--sweep`: chat rates start_load x factor^k, k = 0, 1, ... until every policy's attainment is below
+    `attainment` (or `max_loads` rates ran); if none meets it at the start, start_load / factor^k instead until one
+    does. None fields are calibrated at start (see `slo_mix.calibrate`)."""
+
+    start_load: float | None = knob(None, "first chat rate (default: a quarter of a measured burst rate)",
+                                    flag="--sweep-start")  # fmt: skip
+    factor: float = knob(1.5, "rate step", flag="--sweep-factor")
+    max_loads: int = knob(8, "most rates it runs", flag="--sweep-max-loads")
+    attainment: float = knob(0.9, "the capacity bar", flag="--sweep-attainment")
+    ttft_ms: float | None = knob(None, option="shared")  # None: from the chat TTFT measured alone
+    tbt_ms: float | None = knob(None, option="shared")
+    num_batch: int | None = knob(None, option="shared")  # None: a backlog of about half a phase's compute
+
+    def __post_init__(self) -> None:
+        if self.start_load is not None and not (self.start_load > 0 and math.isfinite(self.start_load)):
+            raise ValueError("slo-mix --sweep: the start load must be a positive chat rate (req/s)")
+        if not (self.factor > 1 and math.isfinite(self.factor)) or self.max_loads < 1:
+            raise ValueError("slo-mix --sweep: the factor must be > 1 and at least one load must run")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("slo-mix --sweep: the attainment bar must be in (0, 1]")
+
+    def resolved(self, calibration: Calibration | None, duration_s: float) -> tuple[float, float, float, int]:
+        """(first rate, TTFT ms, TBT ms, batch jobs per load): each as given, else derived from `calibration`
+        (which must then be there)."""
+        if calibration is None:
+            given = (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)
+            assert None not in given, "a SweepConfig with a field left to calibrate needs a Calibration"
+            return given  # type: ignore[return-value]
+        ttft_ms, tbt_ms = calibration.targets()
+        return (
+            calibration.start_load() if self.start_load is None else self.start_load,
+            ttft_ms if self.ttft_ms is None else self.ttft_ms,
+            tbt_ms if self.tbt_ms is None else self.tbt_ms,
+            calibration.num_batch(duration_s) if self.num_batch is None else self.num_batch,
+        )
+
+    def needs_calibration(self) -> bool:
+        return None in (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)

@@ -4,7 +4,6 @@ mmserve/cli.py (as mmserve/demo/cli.py is). Each handler imports its bench modul
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -14,8 +13,10 @@ from typing import Any
 from mmserve.bench import (
     KVCacheBenchConfig,
     LongVideoBenchConfig,
+    MixConfig,
     RouterBenchConfig,
     ServeBenchConfig,
+    SweepConfig,
     TensorParallelBenchConfig,
     ThroughputBenchConfig,
     add_config_options,
@@ -170,27 +171,11 @@ def _add_bench_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 def _add_slo_mix_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--workload slo-mix (fcfs, priority and slo side by side, in-process servers)")
-    g.add_argument("--loads", default="0.5,1,2", help="comma-separated chat arrival rates (req/s)")
-    g.add_argument("--duration-s", type=float, default=20.0, help="seconds of chats per load")
-    g.add_argument("--num-batch", type=int, default=None,
-                   help="batch jobs per load, cycling text, multi-image, video (default 6; with --sweep: a backlog "
-                        "of about half a phase's compute, measured)")  # fmt: skip
-    g.add_argument("--policies", default="fcfs,priority,slo")
-    g.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="interactive TTFT target (default 1000; with --sweep: from a measurement at start)")  # fmt: skip
-    g.add_argument("--slo-tbt-ms", type=float, default=None,
-                   help="interactive TBT target, judged on TPOT (default 100; with --sweep: measured)")  # fmt: skip
-    g.add_argument("--slo-admission", "--admission-control", dest="admission_control", default="off",
-                   choices=["off", "downgrade", "reject"],
-                   help="the slo policy's answer to a chat it predicts cannot make its TTFT")  # fmt: skip
+    add_config_options(g, MixConfig)
     g.add_argument("--sweep", action="store_true",
                    help="raise the chat rate geometrically (instead of --loads) until every policy's attainment "
                         "is below the bar; report each policy's capacity at the bar")  # fmt: skip
-    g.add_argument("--sweep-start", type=float, default=None,
-                   help="first chat rate of --sweep (default: a quarter of a measured burst rate)")  # fmt: skip
-    g.add_argument("--sweep-factor", type=float, default=1.5, help="rate step of --sweep")
-    g.add_argument("--sweep-max-loads", type=int, default=8, help="most rates --sweep runs")
-    g.add_argument("--sweep-attainment", type=float, default=0.9, help="the capacity bar of --sweep")
+    add_config_options(g, SweepConfig)
     add_slo_planner_flags(g)
 
 
@@ -349,36 +334,18 @@ def _bench_profile(args: argparse.Namespace) -> int:
 
 
 def _bench_slo_mix(args: argparse.Namespace) -> int:
-    from mmserve.bench.slo_mix import QUICK_MIX, MixConfig, SweepConfig, bench_slo_mix, format_slo_mix
+    from mmserve.bench.slo_mix import bench_slo_mix, format_slo_mix
 
     if args.url:
         print("--workload slo-mix starts its own servers (one per policy); drop --url", file=sys.stderr)
         return 2
-    planner = dict(
-        max_step_ms=args.max_step_ms or None, admission_control=args.admission_control,
-        step_time_model=args.step_time_model, step_time_headroom=args.step_time_headroom,
-        tbt_slack_ms=args.tbt_slack_ms, batch_min_share=args.batch_min_share,
-    )  # fmt: skip
     try:
-        sweep = SweepConfig(
-            start_load=args.sweep_start, factor=args.sweep_factor, max_loads=args.sweep_max_loads,
-            attainment=args.sweep_attainment, ttft_ms=args.slo_ttft_ms, tbt_ms=args.slo_tbt_ms,
-            num_batch=args.num_batch,
-        ) if args.sweep else None  # fmt: skip
-        targets = {} if args.sweep else {
-            "ttft_ms": 1000.0 if args.slo_ttft_ms is None else args.slo_ttft_ms,
-            "tbt_ms": 100.0 if args.slo_tbt_ms is None else args.slo_tbt_ms,
-            "num_batch": 6 if args.num_batch is None else args.num_batch,
-        }  # fmt: skip
-        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-        cfg = dataclasses.replace(QUICK_MIX, policies=policies, **planner) if args.quick else MixConfig(
-            loads=tuple(float(x) for x in args.loads.split(",") if x.strip()), duration_s=args.duration_s,
-            policies=policies, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs, seed=args.seed, **targets, **planner,
-        )  # fmt: skip
+        cfg = config_from_options(MixConfig, args)
+        sweep = config_from_options(SweepConfig, args) if args.sweep else None
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    cfg = cfg.quick() if args.quick else cfg
     report = bench_slo_mix(_bench_model(args.model), cfg, args.json, progress=not args.no_progress, sweep=sweep)
     print(format_slo_mix(report))
     _write_plots(report, args.plot, "plot_slo_mix")

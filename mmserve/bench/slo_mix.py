@@ -17,71 +17,17 @@ import json
 import math
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mmserve.bench import MixConfig, SweepConfig
 from mmserve.bench.load import run_requests
 from mmserve.bench.metrics import PERCENTILES, RequestTiming, meets_slos, summarize_ms
 from mmserve.bench.servers import InProcessServer
 from mmserve.bench.workload import BATCH, INTERACTIVE, Request, build_chats, build_mix, load_tokenizer
 
-POLICIES = ("fcfs", "priority", "slo")
-
-
-@dataclass(frozen=True)
-class MixConfig:
-    """One slo-mix run. Loads are chat arrival rates (req/s); each load runs `duration_s` of chats over a
-    fresh backlog of `num_batch` batch jobs sent at its start."""
-
-    loads: tuple[float, ...] = (0.5, 1.0, 2.0)
-    duration_s: float = 20.0
-    num_batch: int = 6  # cycled over long text, multi-image, long video
-    chat_input_len: tuple[int, int] = (16, 64)
-    chat_output_len: tuple[int, int] = (16, 32)
-    chat_image_share: float = 0.5  # of chats, the share with one image
-    batch_input_len: tuple[int, int] = (768, 1024)  # long-text jobs (approximate tokens)
-    batch_output_len: tuple[int, int] = (32, 64)
-    batch_images: int = 4  # per multi-image job
-    image_size: int = 112  # chat and batch images (pixels per side)
-    video_frames: int = 32  # frames kept of each long video (2 fps sampling: a 16 s clip)
-    video_size: int = 112
-    ttft_ms: float = 1000.0  # interactive targets: the server's class defaults and the attainment bar
-    tbt_ms: float = 100.0
-    policies: tuple[str, ...] = POLICIES
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    step_time_model: str | None = None  # `mmserve bench profile` JSON: a warm start for every policy
-    max_step_ms: float | None = 250.0  # every policy's step-time target while decodes run (None: fixed budgets)
-    admission_control: str = "off"  # the slo policy's: "reject" answers 429 to a chat it predicts late
-    step_time_headroom: float = 0.1  # steps are planned to (1 - this) x their time target
-    tbt_slack_ms: float = 250.0  # the slo policy's lend of a stream's lead on its TBT pace
-    batch_min_share: float = 0.1  # the slo policy's share of each step kept for batch work
-    seed: int = 0
-
-    def engine_kwargs(self, policy: str) -> dict[str, Any]:
-        """The in-process server's `EngineArgs` fields for `policy` (the others ignore the slo-only ones)."""
-        return dict(
-            scheduler_policy=policy, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs, interactive_ttft_ms=self.ttft_ms, interactive_tbt_ms=self.tbt_ms,
-            step_time_model=self.step_time_model, max_step_ms=self.max_step_ms,
-            step_time_headroom=self.step_time_headroom, tbt_slack_ms=self.tbt_slack_ms,
-            batch_min_share=self.batch_min_share, admission_control=self.admission_control,
-        )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        if not self.loads or any(not (x > 0 and math.isfinite(x)) for x in self.loads):
-            raise ValueError("slo-mix: loads must be positive finite chat rates (req/s)")
-        if set(self.policies) - set(POLICIES) or not self.policies:
-            raise ValueError(f"slo-mix: policies must be among {POLICIES}")
-
-
-# --quick: a smoke run of the whole pipeline (each policy, one load, a few requests) on the tiny model.
-QUICK_MIX = MixConfig(
-    loads=(2.0,), duration_s=2.0, num_batch=3, chat_input_len=(8, 16), chat_output_len=(2, 4),
-    batch_input_len=(48, 64), batch_output_len=(2, 4), batch_images=2, image_size=56, video_frames=4,
-    video_size=56, ttft_ms=60_000.0, tbt_ms=60_000.0, max_num_batched_tokens=128, max_num_seqs=16,
-)  # fmt: skip
+QUICK_MIX = MixConfig().quick()  # what --quick runs
 
 
 def run_phase(url: str, requests: list[Request]) -> tuple[list[tuple[Request, RequestTiming]], float]:
@@ -114,47 +60,6 @@ def phase_metrics(pairs: list[tuple[Request, RequestTiming]], duration_s: float,
             m["output_throughput_tok_s"] = m["output_tokens"] / rate_s
         out[name] = m
     return out
-
-
-@dataclass(frozen=True)
-class SweepConfig:
-    """`--sweep`: chat rates start_load x factor^k, k = 0, 1, ... until every policy's attainment is below
-    `attainment` (or `max_loads` rates ran); if none meets it at the start, start_load / factor^k instead until one
-    does. None fields are calibrated at start (see `calibrate`)."""
-
-    start_load: float | None = None  # None: a quarter of the measured burst chat rate
-    factor: float = 1.5
-    max_loads: int = 8
-    attainment: float = 0.9
-    ttft_ms: float | None = None  # None: from the chat TTFT measured alone (`Calibration.targets`)
-    tbt_ms: float | None = None
-    num_batch: int | None = None  # None: a backlog of about half a phase's compute (`Calibration.num_batch`)
-
-    def __post_init__(self) -> None:
-        if self.start_load is not None and not (self.start_load > 0 and math.isfinite(self.start_load)):
-            raise ValueError("slo-mix --sweep: the start load must be a positive chat rate (req/s)")
-        if not (self.factor > 1 and math.isfinite(self.factor)) or self.max_loads < 1:
-            raise ValueError("slo-mix --sweep: the factor must be > 1 and at least one load must run")
-        if not 0 < self.attainment <= 1:
-            raise ValueError("slo-mix --sweep: the attainment bar must be in (0, 1]")
-
-    def resolved(self, calibration: Calibration | None, duration_s: float) -> tuple[float, float, float, int]:
-        """(first rate, TTFT ms, TBT ms, batch jobs per load): each as given, else derived from `calibration`
-        (which must then be there)."""
-        if calibration is None:
-            given = (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)
-            assert None not in given, "a SweepConfig with a field left to calibrate needs a Calibration"
-            return given  # type: ignore[return-value]
-        ttft_ms, tbt_ms = calibration.targets()
-        return (
-            calibration.start_load() if self.start_load is None else self.start_load,
-            ttft_ms if self.ttft_ms is None else self.ttft_ms,
-            tbt_ms if self.tbt_ms is None else self.tbt_ms,
-            calibration.num_batch(duration_s) if self.num_batch is None else self.num_batch,
-        )
-
-    def needs_calibration(self) -> bool:
-        return None in (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)
 
 
 def meets_bar(attainment: float | None, bar: float) -> bool:
@@ -294,11 +199,7 @@ def bench_slo_mix(
         for server in servers.values():
             server.close()
     report: dict[str, Any] = {
-        "config": {
-            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
-            "model": str(model),
-            "workload": "slo-mix",
-        },
+        "config": {**asdict(cfg), "model": str(model), "workload": "slo-mix"},
         "phases": phases,
         "results": results,
     }

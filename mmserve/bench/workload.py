@@ -15,14 +15,11 @@ import io
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from mmserve.bench import WORKLOADS
-
-if TYPE_CHECKING:
-    from mmserve.bench.slo_mix import MixConfig
+from mmserve.bench import WORKLOADS, MixConfig
 
 INTERACTIVE, BATCH = "interactive", "batch"  # service classes (slo-mix): service_tier default / flex
 _WORDS = (
