@@ -69,9 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest and not (args.command == "bench" and args.bench_command == "kernels"):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
     if args.command == "make-tiny-model":
         from mmserve.tiny_model import make_tiny_model
 
@@ -92,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_chat(args)
     if args.command == "bench":
-        return run_bench_command(args, rest)
+        return run_bench_command(args)
     return 2
 
 

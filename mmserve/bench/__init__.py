@@ -506,3 +506,39 @@ class SweepConfig:
 
     def needs_calibration(self) -> bool:
         return None in (self.start_load, self.ttft_ms, self.tbt_ms, self.num_batch)
+
+
+@dataclass(frozen=True)
+class ProfileBenchConfig:
+    """`mmserve bench profile`: the sweep of step shapes. Each (batch size, prompt length) pair with batch * length
+    <= the token budget is one prefill step then `decode_steps` decode steps; `chunked_len` is prefilled in
+    budget-sized chunks."""
+
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    prompt_lens: tuple[int, ...] = (16, 128, 512)
+    decode_steps: int = 6
+    chunked_len: int = knob(2048, "tokens prefilled in chunks (at least two steps' worth)")
+    image_sizes: tuple[int, ...] = (112, 224, 448)
+    video_frames: tuple[int, ...] = (8, 32)
+    video_size: int = 224
+    max_num_batched_tokens: int = knob(2048, "largest step of the sweep")
+    repeats: int = knob(2, "of the whole sweep (the first step of each shape may include one-off costs)")
+    device: str | None = None
+
+    def resolved(self) -> ProfileBenchConfig:
+        """The chunked prefill spans at least two budgets."""
+        return dataclasses.replace(self, chunked_len=max(self.chunked_len, 2 * self.max_num_batched_tokens))
+
+    def quick(self) -> ProfileBenchConfig:
+        """`--quick`: a few small shapes (a smoke run)."""
+        return dataclasses.replace(
+            self, batch_sizes=(1, 4), prompt_lens=(8, 32), decode_steps=3, chunked_len=96, image_sizes=(56, 112),
+            video_frames=(4,), video_size=56, max_num_batched_tokens=64, repeats=1,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelsBenchConfig:
+    """`mmserve bench kernels` (or `python -m mmserve.bench.kernels`): the Triton paged attention against SDPA."""
+
+    smoke: bool = knob(False, "tiny shapes on the CPU in Triton's interpreter (checks the script only)")

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench import (
+    KernelsBenchConfig,
     KVCacheBenchConfig,
     LongVideoBenchConfig,
     MixConfig,
+    ProfileBenchConfig,
     RouterBenchConfig,
     ServeBenchConfig,
     SweepConfig,
@@ -26,7 +28,7 @@ from mmserve.slo_flags import add_slo_planner_flags
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    """`bench` and its sub-commands (`kernels` takes its own flags: `run_bench_command` passes them on)."""
+    """`bench` and its sub-commands."""
     bench = sub.add_parser("bench", help="measure speed, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tput = bench_sub.add_parser(
@@ -71,19 +73,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _add_bench_router_parser(bench_sub)
     _add_bench_kv_cache_parser(bench_sub)
     _add_bench_quantization_parser(bench_sub)
-    bench_sub.add_parser(
-        "kernels",
-        help="Triton paged attention vs SDPA on a GPU (python -m mmserve.bench.kernels)",
-        add_help=False,
-    )
+    kernels = bench_sub.add_parser("kernels", help="Triton paged attention vs SDPA on a GPU")
+    add_kernels_options(kernels)
 
 
-def run_bench_command(args: argparse.Namespace, rest: list[str]) -> int:
-    """Run `mmserve bench <args.bench_command>`; `rest` is what the parser left (only `kernels` takes any)."""
+def add_kernels_options(p: argparse.ArgumentParser) -> None:
+    """`bench kernels`'s options, as `python -m mmserve.bench.kernels` takes them too."""
+    add_config_options(p, KernelsBenchConfig)
+    p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """Run `mmserve bench <args.bench_command>`."""
     if args.bench_command == "kernels":
-        from mmserve.bench.kernels import main as bench_kernels
+        from mmserve.bench.kernels import bench_kernels
 
-        return bench_kernels(rest)
+        return bench_kernels(config_from_options(KernelsBenchConfig, args), args.json)
     if args.bench_command == "profile":
         return _bench_profile(args)
     if args.bench_command == "serve":
@@ -188,8 +193,7 @@ def _add_bench_profile_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--out", type=Path, default=Path("step_time.json"), help="the fitted model (--step-time-model)"
     )
     p.add_argument("--json", type=Path, default=None, help="write every sample and the fit's error here")
-    p.add_argument("--device", default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest step of the sweep")
+    add_config_options(p, ProfileBenchConfig)
     p.add_argument("--quick", action="store_true", help="a few small shapes: a smoke run")
 
 
@@ -320,14 +324,14 @@ def _bench_tensor_parallel(args: argparse.Namespace) -> int:
 
 
 def _bench_profile(args: argparse.Namespace) -> int:
-    import dataclasses
+    from mmserve.bench.profile import bench_profile, format_profile
 
-    from mmserve.bench.profile import QUICK_PROFILE, ProfileConfig, bench_profile, format_profile
-
-    cfg = QUICK_PROFILE if args.quick else ProfileConfig(max_num_batched_tokens=args.max_num_batched_tokens)
-    if not args.quick:
-        cfg = dataclasses.replace(cfg, chunked_len=max(cfg.chunked_len, 2 * args.max_num_batched_tokens))
-    report = bench_profile(_bench_model(args.model), args.out, cfg, args.json, args.device)
+    try:
+        cfg = config_from_options(ProfileBenchConfig, args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    report = bench_profile(_bench_model(args.model), args.out, cfg.quick() if args.quick else cfg.resolved(), args.json)
     print(format_profile(report))
     print(f"wrote {report['out']} (serve with --scheduler-policy slo --step-time-model {report['out']})")
     return 0

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mmserve.bench import KernelsBenchConfig, config_from_options
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -208,15 +210,17 @@ def measure(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from mmserve.bench.cli import add_kernels_options
+
     parser = argparse.ArgumentParser(prog="python -m mmserve.bench.kernels", description=__doc__)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny shapes on the CPU in Triton's interpreter (checks the script only)",
-    )
+    add_kernels_options(parser)
     args = parser.parse_args(argv)
-    if args.smoke:
+    return bench_kernels(config_from_options(KernelsBenchConfig, args), args.json)
+
+
+def bench_kernels(cfg: KernelsBenchConfig, json_path: Path | None = None) -> int:
+    """Measures every case, prints the table (and whether the goal is met), writes `json_path`."""
+    if cfg.smoke:
         # Must precede the first `import triton` (the kernels are imported lazily below).
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, timer, copy_bytes = torch.device("cpu"), cpu_ms, 1 << 24
@@ -265,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"goal (b={GOAL_BATCH}, ctx={GOAL_CONTEXT}: >= {GOAL_FRACTION:.0%} of copy bandwidth and faster "
             f"than SDPA): {'met' if met else 'NOT met'}"
         )
-    if args.json is not None:
+    if json_path is not None:
         import triton
 
         payload = {
@@ -276,9 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "shape": {**asdict(shape), "dtype": str(shape.dtype)},
             "results": [asdict(r) for r in results],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.json}")
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {json_path}")
     return 0
 
 

@@ -8,45 +8,24 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mmserve.bench import ProfileBenchConfig
 from mmserve.bench.workload import image_prompt, video_prompt
 from mmserve.scheduler.step_time import FEATURES, StepFeatures, StepTimeModel
 
 
-@dataclass(frozen=True)
-class ProfileConfig:
-    """The sweep. Each (batch size, prompt length) pair with batch * length <= the token budget is one
-    prefill step then `decode_steps` decode steps; `chunked_len` is prefilled in budget-sized chunks."""
-
-    batch_sizes: tuple[int, ...] = (1, 4, 16)
-    prompt_lens: tuple[int, ...] = (16, 128, 512)
-    decode_steps: int = 6
-    chunked_len: int = 2048
-    image_sizes: tuple[int, ...] = (112, 224, 448)
-    video_frames: tuple[int, ...] = (8, 32)
-    video_size: int = 224
-    max_num_batched_tokens: int = 2048
-    repeats: int = 2  # of the whole sweep: the first step of each shape may include one-off costs
-
-
-QUICK_PROFILE = ProfileConfig(
-    batch_sizes=(1, 4), prompt_lens=(8, 32), decode_steps=3, chunked_len=96, image_sizes=(56, 112),
-    video_frames=(4,), video_size=56, max_num_batched_tokens=64, repeats=1,
-)  # fmt: skip
-
-
-def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple[StepTimeModel, dict]:
+def profile(model: Path, cfg: ProfileBenchConfig) -> tuple[StepTimeModel, dict]:
     """Returns the fitted model and a report: every sample (kind, features, seconds) and the fit's error."""
     from mmserve import LLM, SamplingParams
 
     budget = cfg.max_num_batched_tokens
     llm = LLM(
-        model, device=device, max_num_batched_tokens=budget, max_num_seqs=max(cfg.batch_sizes),
+        model, device=cfg.device, max_num_batched_tokens=budget, max_num_seqs=max(cfg.batch_sizes),
         max_num_encoder_tokens=budget, encoder_cache_size=1 << 20,
         enable_prefix_caching=False,  # every prompt computed: the features say what really ran
     )  # fmt: skip
@@ -104,7 +83,7 @@ def profile(model: Path, cfg: ProfileConfig, device: str | None = None) -> tuple
     ]
     report = {
         "model": str(llm.engine.args.model),
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
+        "config": asdict(cfg),
         "coefficients": model.coefficients,
         "features": list(FEATURES),
         "num_samples": len(samples),
@@ -126,10 +105,8 @@ def format_profile(report: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_profile(
-    model: Path, out: Path, cfg: ProfileConfig, json_path: Path | None = None, device: str | None = None
-) -> dict:
-    fitted, report = profile(model, cfg, device)
+def bench_profile(model: Path, out: Path, cfg: ProfileBenchConfig, json_path: Path | None = None) -> dict:
+    fitted, report = profile(model, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     fitted.save(out)
     report["out"] = str(out)
