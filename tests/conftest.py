@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,12 @@ if not torch.cuda.is_available():
 # The parity suites compare fp32 engines with transformers in fp32: an engine given no dtype would pick bf16 on a
 # CPU with native bf16 (engine/device.py). Tests of that default unset this; servers the tests start inherit it.
 os.environ.setdefault("MMSERVE_DTYPE", "float32")
+
+# Every engine the tests start runs its decode-sized linear products through the C kernel where it builds (the
+# fastest path at few rows on most CPUs; `kernels/cpu_linear.py`), without measuring at each start; the measured
+# choice has tests of its own.
+if shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc"):
+    os.environ.setdefault("MMSERVE_CPU_LINEAR", "c")
 
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen2")
 

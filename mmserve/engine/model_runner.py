@@ -29,6 +29,7 @@ from mmserve.encoders.vision import VisionTower
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
+from mmserve.kernels.cpu_linear import choose_paths
 from mmserve.kernels.dispatch import get_attention_backend, get_moe_backend, get_w4a16_backend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import DeepStackInput, rotary_embedding
@@ -83,6 +84,9 @@ class ModelRunner:
         self.model = model.to(device=device, dtype=dtype).eval()
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = rotary_embedding(cfg).to(device)
+        # On the CPU, the product each decode row count takes: measured once per machine and model, cached.
+        self.linear_paths = choose_paths(torch.device(device), self.model.linear_weights())
+        self.model.set_linear_paths(self.linear_paths)
         # One pool per layer, this rank's KV heads: [2, num_blocks, block_size, num_kv_heads, head_dim]
         _, num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
         shape = (2, num_blocks, block_size, num_kv_heads, cfg.head_dim)

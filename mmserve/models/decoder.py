@@ -14,6 +14,7 @@ from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.kernels import fp8
+from mmserve.kernels.cpu_linear import LinearPaths
 from mmserve.kernels.dispatch import AttentionBackend
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
@@ -253,6 +254,23 @@ class Decoder(nn.Module):
             if deepstack is not None and i < deepstack.embeds.shape[0]:
                 x = x.index_add(0, deepstack.rows, deepstack.embeds[i])
         return self.norm(x)
+
+    def linear_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight [out, in], bias or None) of every dense linear product of a forward, in order: what the
+        CPU's linear paths are measured over (`kernels/cpu_linear.py`). The layers that take the paths are
+        those with a `linear_paths` attribute (Linear's kinds, QuantizedLinear); quantized ones without a
+        dense weight are left out."""
+        return [
+            (m.weight, m.bias)
+            for m in self.modules()
+            if hasattr(m, "linear_paths") and isinstance(m.weight, torch.Tensor)
+        ]
+
+    def set_linear_paths(self, paths: LinearPaths) -> None:
+        """Every linear layer's products from now on take `paths`."""
+        for m in self.modules():
+            if hasattr(m, "linear_paths"):  # Linear and its parallel kinds, QuantizedLinear
+                m.linear_paths = paths
 
     def reset_kv_scales(self) -> None:
         """Every layer's FP8 KV cache scales to 1.0 (after `to_empty`, before a checkpoint sets its own)."""

@@ -21,40 +21,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
+from mmserve.kernels.cpu_linear import BLAS_PATHS, LinearPaths
 from mmserve.models.config import DecoderConfig
 
 # Reads part of a checkpoint tensor: (dim, start, length) -> that slice; only its bytes are read.
 SliceReader = Callable[[int, int, int], torch.Tensor]
 
-# Row counts for which Linear computes (W @ x^T)^T on the CPU: decode-sized batches.
-_CPU_TRANSPOSED_MAX_ROWS = 128
-
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and names) whose products of few rows run as (W @ x^T)^T on the CPU:
-    MKL computes that orientation 1.2-3x faster for 4-128 rows of this model's shapes (a decode batch),
-    and about as fast from 256 rows on (docs/benchmarks.md). The result equals x @ W^T up to float
-    rounding order. Other devices and larger batches use F.linear. Replicated on every rank."""
+    """nn.Linear (same parameters and names) whose products run through `linear_paths`: on the CPU, each row
+    count up to cpu_linear.MAX_ROWS (a decode batch) takes the product measured fastest for this model on this
+    machine (`kernels/cpu_linear.py`; the runner sets the measured paths); F.linear elsewhere. The result
+    equals x @ W^T up to float rounding order. Replicated on every rank."""
+
+    linear_paths: LinearPaths = BLAS_PATHS  # the model's measured paths once the runner sets them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.bias)
+        return self.linear_paths.linear(x, self.weight, self.bias)
 
     def load_weight(self, name: str, shape: tuple[int, ...], read: SliceReader, part: int | None) -> None:
         """Copy checkpoint tensor `name` ("weight" | "bias") of `shape` into this layer's slice."""
         if part is not None:
             raise ValueError(f"{name}: a replicated layer has no parts")
         _copy_full(getattr(self, name), shape, read, name)
-
-
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ weight [out, in]^T + bias, as `Linear` computes it (also for quantized layers' weights)."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _CPU_TRANSPOSED_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    # [out_features, rows], the bias added inside the product rather than in a second pass
-    out_t = torch.mm(weight, x.t()) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x.t())
-    # [rows, out_features], column-major: every consumer (split + view, elementwise ops, the residual
-    # add, the sampler) takes it as is, and skipping the copy makes a decode step 2-7% faster.
-    return out_t.t()
 
 
 def _copy_full(param: torch.Tensor, shape: tuple[int, ...], read: SliceReader, name: str) -> None:
@@ -148,8 +137,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return linear_forward(x, self.weight, self.bias)
-        out = self.tp.all_reduce(linear_forward(x, self.weight, None).contiguous())
+            return self.linear_paths.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(self.linear_paths.linear(x, self.weight, None).contiguous())
         return out if self.bias is None else out + self.bias  # the bias once, not once per rank
 
     def load_weight(self, name: str, shape: tuple[int, ...], read: SliceReader, part: int | None) -> None:

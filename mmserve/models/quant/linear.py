@@ -26,6 +26,7 @@ from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.kernels import quant as w4a16_reference
+from mmserve.kernels.cpu_linear import BLAS_PATHS, LinearPaths
 from mmserve.models.parallel import (
     ColumnParallelLinear,
     Linear,
@@ -33,7 +34,6 @@ from mmserve.models.parallel import (
     ParallelLMHead,
     RowParallelLinear,
     SliceReader,
-    linear_forward,
 )
 from mmserve.models.quant.activations import fake_quantize, quantize_fp8, quantize_int8
 from mmserve.models.quant.formats import QuantizedWeight, Span, read_local, tensor_names, to_canonical
@@ -120,7 +120,10 @@ def _fp8_gemm_scheme(scheme: LinearScheme) -> bool:
 
 class QuantizedLinear(nn.Module):
     """This rank's output rows `parts` (in order; one part unless fused) and input columns `in_part` of a quantized
-    [N, K] projection. `tp` set: a row-parallel layer, whose partial outputs are all-reduced and bias added once."""
+    [N, K] projection. `tp` set: a row-parallel layer, whose partial outputs are all-reduced and bias added once.
+    Dense products (a dequantized weight) take `linear_paths`, as `Linear`'s do."""
+
+    linear_paths: LinearPaths = BLAS_PATHS  # the model's measured CPU paths once the runner sets them
 
     def __init__(self, scheme: LinearScheme, parts: list[OutputPart], in_part: OutputPart, bias: bool,
                  tp: TensorParallelGroup | None, compute: ComputePath,
@@ -256,12 +259,12 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight is not None:
-            return linear_forward(x, self.weight, bias)
+            return self.linear_paths.linear(x, self.weight, bias)
         assert self.codes is not None and self.scales is not None
         if self.scheme.weights.codes is Codes.INT4:
             return self.w4a16_linear(x, self.codes, self.scales, self.zeros, self.group_size, bias)
         weight = QuantizedWeight(self.codes, self.scales, self.zeros, self.group_size).dequantize(x.dtype)
-        return linear_forward(x, weight, bias)
+        return self.linear_paths.linear(x, weight, bias)
 
     def _int8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """int8 codes of x (per token) times the int8 weight codes, exact in int32, then both scales."""

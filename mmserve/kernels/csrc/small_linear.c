@@ -1,0 +1,146 @@
+/* out[rows, out_features] = x[rows, in_features] @ w[out_features, in_features]^T (+ bias) for few rows
+ * (a decode batch), fp32 or bf16 in and out, fp32 accumulation. Compiled once per machine by
+ * kernels/cpu_linear.py and called through ctypes.
+ *
+ * Why by hand: with few rows the product is bound by streaming the weights from memory, and BLAS's
+ * one-row (GEMV) and few-row paths stream them well below the memory's rate on some CPUs. Here each
+ * weight row is read once per step, whatever the row count: a tile of 4 weight rows meets every x row
+ * (x stays in L1), the output rows are split over the threads.
+ *
+ * Layout: x, w, out row-major and contiguous; bias [out_features] or NULL; bf16 as raw uint16 bits.
+ * Rounding: fp32 sums in an order of our own (not BLAS's); bf16 results rounded to nearest even. */
+
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define W_TILE 4 /* weight rows per tile */
+#define X_TILE 4 /* x rows per tile: W_TILE * X_TILE accumulators */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* dot products of weight rows w[o0 .. o0+nw) with x rows x[r0 .. r0+nx), nw, nx <= 4: acc[i][j] */
+#ifdef __AVX512F__
+static inline __m512 load16(const void *p, int64_t k, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p + k);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load_tail(const void *p, int64_t k, int64_t n, int bf16) {
+    __mmask16 m = (__mmask16)((1u << n) - 1u);
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)p + k);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* Inlined with a constant nx at each call, so the compiler keeps only nx x rows' accumulators. */
+static inline __attribute__((always_inline)) void tile(const void *x, const void *w, int64_t in, int64_t r0,
+                                                       int nx, int64_t o0, int nw, int bf16,
+                                                       float acc[W_TILE][X_TILE]) {
+    size_t es = bf16 ? 2 : 4;
+    const char *xb = (const char *)x, *wb = (const char *)w;
+    const void *xr[X_TILE], *wr[W_TILE];
+    for (int j = 0; j < nx; j++) xr[j] = xb + (size_t)(r0 + j) * in * es;
+    for (int i = 0; i < W_TILE; i++) wr[i] = wb + (size_t)(o0 + (i < nw ? i : 0)) * in * es;
+#ifdef __AVX512F__
+    __m512 a[W_TILE][X_TILE];
+    for (int i = 0; i < W_TILE; i++)
+        for (int j = 0; j < nx; j++) a[i][j] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= in; k += 16) {
+        __m512 wv[W_TILE], xv[X_TILE];
+        for (int i = 0; i < W_TILE; i++) wv[i] = load16(wr[i], k, bf16);
+        for (int j = 0; j < nx; j++) xv[j] = load16(xr[j], k, bf16);
+        for (int i = 0; i < W_TILE; i++)
+            for (int j = 0; j < nx; j++) a[i][j] = _mm512_fmadd_ps(wv[i], xv[j], a[i][j]);
+    }
+    if (k < in) {
+        __m512 wv[W_TILE], xv[X_TILE];
+        for (int i = 0; i < W_TILE; i++) wv[i] = load_tail(wr[i], k, in - k, bf16);
+        for (int j = 0; j < nx; j++) xv[j] = load_tail(xr[j], k, in - k, bf16);
+        for (int i = 0; i < W_TILE; i++)
+            for (int j = 0; j < nx; j++) a[i][j] = _mm512_fmadd_ps(wv[i], xv[j], a[i][j]);
+    }
+    for (int i = 0; i < W_TILE; i++)
+        for (int j = 0; j < nx; j++) acc[i][j] = _mm512_reduce_add_ps(a[i][j]);
+#else
+    for (int i = 0; i < W_TILE; i++)
+        for (int j = 0; j < X_TILE; j++) acc[i][j] = 0.0f;
+    for (int i = 0; i < nw; i++)
+        for (int j = 0; j < nx; j++) {
+            float s = 0.0f;
+            if (bf16) {
+                const uint16_t *wp = (const uint16_t *)wr[i], *xp = (const uint16_t *)xr[j];
+                for (int64_t k = 0; k < in; k++) s += bf16_to_f32(wp[k]) * bf16_to_f32(xp[k]);
+            } else {
+                const float *wp = (const float *)wr[i], *xp = (const float *)xr[j];
+                for (int64_t k = 0; k < in; k++) s += wp[k] * xp[k];
+            }
+            acc[i][j] = s;
+        }
+#endif
+}
+
+/* Inlined with a constant bf16 at each call: one loop nest per dtype, no per-element branch. */
+static inline __attribute__((always_inline)) void run(const void *x, const void *w, const void *bias, void *out,
+                                                      int64_t rows, int64_t in, int64_t out_features, int bf16,
+                                                      int64_t num_threads) {
+    int64_t num_tiles = (out_features + W_TILE - 1) / W_TILE;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tiles; t++) {
+        int64_t o0 = t * W_TILE;
+        int nw = (int)(out_features - o0 < W_TILE ? out_features - o0 : W_TILE);
+        for (int64_t r0 = 0; r0 < rows; r0 += X_TILE) {
+            int nx = (int)(rows - r0 < X_TILE ? rows - r0 : X_TILE);
+            float acc[W_TILE][X_TILE];
+            switch (nx) {
+            case 1: tile(x, w, in, r0, 1, o0, nw, bf16, acc); break;
+            case 2: tile(x, w, in, r0, 2, o0, nw, bf16, acc); break;
+            case 3: tile(x, w, in, r0, 3, o0, nw, bf16, acc); break;
+            default: tile(x, w, in, r0, 4, o0, nw, bf16, acc); break;
+            }
+            for (int i = 0; i < nw; i++) {
+                float b = 0.0f;
+                if (bias) b = bf16 ? bf16_to_f32(((const uint16_t *)bias)[o0 + i]) : ((const float *)bias)[o0 + i];
+                for (int j = 0; j < nx; j++) {
+                    int64_t at = (r0 + j) * out_features + o0 + i;
+                    float v = acc[i][j] + b;
+                    if (bf16)
+                        ((uint16_t *)out)[at] = f32_to_bf16(v);
+                    else
+                        ((float *)out)[at] = v;
+                }
+            }
+        }
+    }
+}
+
+/* Returns 0, or 1 for bad arguments. dtype: 0 fp32, 1 bf16 (x, w, bias and out alike). */
+int small_linear(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t in,
+                 int64_t out_features, int64_t dtype, int64_t num_threads) {
+    if (rows < 1 || in < 1 || out_features < 1 || (dtype != 0 && dtype != 1)) return 1;
+    if (num_threads < 1) num_threads = 1;
+    if (dtype == 1)
+        run(x, w, bias, out, rows, in, out_features, 1, num_threads);
+    else
+        run(x, w, bias, out, rows, in, out_features, 0, num_threads);
+    return 0;
+}
