@@ -542,3 +542,39 @@ class KernelsBenchConfig:
     """`mmserve bench kernels` (or `python -m mmserve.bench.kernels`): the Triton paged attention against SDPA."""
 
     smoke: bool = knob(False, "tiny shapes on the CPU in Triton's interpreter (checks the script only)")
+
+
+# mmserve.quantize.FORMATS, repeated here so the CLI needs no torch (a test checks they agree).
+BENCH_FORMATS = ("fp8-tensor", "fp8-dynamic", "fp8-block", "w8a8", "w4a16", "w4a16-asym", "awq", "qwen-fp8")
+COMPUTE_PATHS = ("dequantized", "native")
+
+
+@dataclass(frozen=True)
+class QuantizationBenchConfig:
+    """`mmserve bench quantization`: each field is one command-line option and a key of the report's `config`."""
+
+    formats: tuple[str, ...] = BENCH_FORMATS
+    paths: tuple[str, ...] = COMPUTE_PATHS
+    dtype: str = "bfloat16"  # the compute dtype of every engine, the dense reference's included
+    group_size: int = 128  # the int4 formats' group (w4a16, w4a16-asym, awq)
+    accuracy_prompts: int = 16
+    accuracy_tokens: int = 16  # greedy tokens compared per prompt
+    prompt_len: int = 64  # tokens of each accuracy and decode prompt
+    prefill_prompts: int = 4
+    prefill_len: int = 512  # tokens of each prefill prompt (one output token)
+    decode_batch: int = 16  # sequences decoding together
+    decode_tokens: int = 32  # tokens each decodes (ignore_eos)
+    repeats: int = 3  # timed runs of each measurement; the median counts
+    seed: int = 0
+    workdir: str = ""  # where the quantized checkpoints go ("": a temporary directory)
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.formats if f not in BENCH_FORMATS] + [p for p in self.paths if p not in COMPUTE_PATHS]
+        if unknown or not self.formats or not self.paths:
+            raise ValueError(f"formats: choose from {', '.join(BENCH_FORMATS)}; paths from {', '.join(COMPUTE_PATHS)} "
+                             f"(got {unknown or 'none'})")  # fmt: skip
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if min(self.accuracy_prompts, self.accuracy_tokens, self.prompt_len, self.prefill_prompts, self.prefill_len,
+               self.decode_batch, self.decode_tokens, self.repeats, self.group_size) < 1:  # fmt: skip
+            raise ValueError("token counts, prompt counts, repeats and group_size must be >= 1")

@@ -6,7 +6,6 @@ timed batches interleaved, the median of `repeats`), and accuracy against the fi
 
 from __future__ import annotations
 
-import platform
 import random
 import statistics
 import time
@@ -17,6 +16,7 @@ from transformers import AutoTokenizer
 
 from mmserve import LLM, SamplingParams
 from mmserve.bench import KVCacheBenchConfig
+from mmserve.bench.machine import cpu_model
 from mmserve.engine.core import DTYPES
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.models.config import DecoderConfig
@@ -28,16 +28,6 @@ _WORDS = ("the", "a", "river", "stone", "light", "under", "quiet", "north", "tab
 def _prompts(n: int, length: int, vocabulary: list[int], rng: random.Random) -> list[list[int]]:
     """n prompts of exactly `length` token ids drawn from `vocabulary`."""
     return [[rng.choice(vocabulary) for _ in range(length)] for _ in range(n)]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def bench_kv_cache(model: Path, cfg: KVCacheBenchConfig) -> dict[str, Any]:

@@ -7,7 +7,6 @@ step, as vLLM does)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict
@@ -98,7 +97,7 @@ def step_timeline(steps: list[StepRecord]) -> list[dict]:
     ]
 
 
-def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig, json_path: Path | None = None) -> dict:
+def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig) -> dict:
     """One chunked run per `max_step_ms` (0: fixed token budgets), then, with `whole`, the video encoded
     whole under the first of them."""
     first = cfg.max_step_ms[0] or None
@@ -116,9 +115,6 @@ def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig, json_path: Path
     }
     if cfg.whole:
         report["max_step_ratio_off_over_on"] = results[-1]["max_step_s"] / results[0]["max_step_s"]
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -1,6 +1,6 @@
-"""PNG plots of bench reports (the JSON dicts of throughput.py / serve.py / long_video.py / slo_mix.py):
-throughput bars with ratios, latency CDFs and step-composition timelines. matplotlib is optional and
-imported only here, lazily."""
+"""PNG plots of bench reports (the JSON dicts of throughput.py / serve.py / long_video.py / slo_mix.py / router.py /
+tensor_parallel.py): throughput bars with ratios, latency CDFs, step-composition timelines, policy and TP bars.
+matplotlib is optional and imported only here, lazily."""
 
 from __future__ import annotations
 
@@ -172,5 +172,71 @@ def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     path = out_dir / "slo_mix.png"
     fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [path]
+
+
+def plot_router(report: dict, out_dir: Path) -> list[Path]:
+    """One row of bars per media kind: output tok/s, prefix-cache hit rate, median TTFT, per policy."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = report["results"]
+    panels = (("output_throughput", "output tok/s"), ("server_prefix_cache_hit_rate", "prefix-cache hit rate"),
+              ("median_ttft_ms", "TTFT median (ms)"), ("family_stickiness", "family stickiness"))  # fmt: skip
+    fig, axes = plt.subplots(len(results), len(panels), figsize=(14, 3.2 * len(results)), squeeze=False)
+    for row, (media, by_policy) in enumerate(results.items()):
+        names = list(by_policy)
+        for ax, (key, title) in zip(axes[row], panels, strict=True):
+            ax.bar(names, [by_policy[n][key] or 0.0 for n in names], color=["#888", "#4a7", "#47a"][: len(names)])
+            ax.set_title(f"{title} ({'image + system prompt' if media == 'image' else 'system prompt'})", fontsize=9)
+            ax.tick_params(axis="x", labelsize=8)
+    cfg = report["config"]
+    fig.suptitle(f"{cfg['num_replicas']} mmserve replicas behind vllm-router, {cfg['num_families']} prefix families, "
+                 f"{cfg['concurrency']} in flight")  # fmt: skip
+    fig.tight_layout()
+    path = out_dir / "router.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
+    """Median decode step time (p90 as the bar's top) against concurrency, one line per TP size, and
+    the ratio to the base size."""
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    concurrency = report["config"]["concurrency"]
+    fig, (ax, rax) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for tp, by_c in report["results"].items():
+        med = [by_c[str(c)]["median_step_s"] * 1e3 for c in concurrency]
+        p90 = [by_c[str(c)]["p90_step_s"] * 1e3 for c in concurrency]
+        ax.errorbar(concurrency, med, yerr=[np.zeros(len(med)), np.subtract(p90, med)], marker="o",
+                    capsize=3, label=f"TP={tp}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrency, [str(c) for c in concurrency])
+    ax.set_xlabel("concurrent decoding requests")
+    ax.set_ylabel("decode step (ms): median, bar to p90")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    base = report["base_tensor_parallel_size"]
+    num_ratios = len(report["step_time_ratio_to_base"])
+    width = 0.8 / max(1, num_ratios)
+    for i, (tp, by_c) in enumerate(report["step_time_ratio_to_base"].items()):
+        x = np.arange(len(concurrency)) + (i - (num_ratios - 1) / 2) * width  # centred on each tick
+        bars = rax.bar(x, [by_c[str(c)] for c in concurrency], width, label=f"TP={tp} / TP={base}")
+        for bar, c in zip(bars, concurrency, strict=True):
+            rax.annotate(f"{by_c[str(c)]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                         ha="center", va="bottom", fontsize=8)  # fmt: skip
+    rax.axhline(1.0, color="black", lw=1, ls="--")
+    rax.set_xticks(np.arange(len(concurrency)), [str(c) for c in concurrency])
+    rax.set_xlabel("concurrent decoding requests")
+    rax.set_ylabel("median step time ratio")
+    rax.margins(y=0.2)
+    rax.legend(fontsize=8)
+    fig.suptitle(f"decode step time by tensor-parallel size ({report['machine']['cpu_model']})", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "tensor_parallel.png"
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]

@@ -6,7 +6,6 @@ records each step's features and wall time, fits `StepTimeModel` by least square
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -94,7 +93,7 @@ def profile(model: Path, cfg: ProfileBenchConfig) -> tuple[StepTimeModel, dict]:
     return model, report
 
 
-def format_profile(report: dict) -> str:
+def format_report(report: dict) -> str:
     c = report["coefficients"]
     lines = [f"step-time model of {report['model']} from {report['num_samples']} steps:"]
     lines += [f"  {name:<16}{c[name]:.3e} s" for name in FEATURES]
@@ -105,12 +104,9 @@ def format_profile(report: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_profile(model: Path, out: Path, cfg: ProfileBenchConfig, json_path: Path | None = None) -> dict:
+def bench_profile(model: Path, out: Path, cfg: ProfileBenchConfig) -> dict:
     fitted, report = profile(model, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     fitted.save(out)
     report["out"] = str(out)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2))
     return report

@@ -4,9 +4,7 @@ same prompts (greedy-token agreement of free-running decoding, the share of iden
 mean |logprob difference| of the dense model's greedy tokens teacher-forced: each position's prompt is the dense
 model's own prefix), prefill tok/s, and decode tok/s at batch 1 and at a batch. Every engine stays alive and the
 timed runs go round all of them `repeats` times (the median round counts), so a load drifting on a shared machine
-weighs on every engine alike.
-
-The config is torch-free so the CLI can build its options cheaply; the run imports the engine."""
+weighs on every engine alike."""
 
 from __future__ import annotations
 
@@ -14,45 +12,14 @@ import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-# mmserve.quantize.FORMATS, repeated here so the CLI needs no torch (a test checks they agree).
-BENCH_FORMATS = ("fp8-tensor", "fp8-dynamic", "fp8-block", "w8a8", "w4a16", "w4a16-asym", "awq", "qwen-fp8")
-COMPUTE_PATHS = ("dequantized", "native")
+from mmserve.bench import BENCH_FORMATS, QuantizationBenchConfig  # noqa: F401  (BENCH_FORMATS: tests check it)
+from mmserve.bench.machine import cpu_model
+
 _PLAIN_IDS = 4000  # prompt ids drawn below this and below the first special token's id
-
-
-@dataclass(frozen=True)
-class QuantizationBenchConfig:
-    """`mmserve bench quantization`: each field is one command-line option and a key of the report's `config`."""
-
-    formats: tuple[str, ...] = BENCH_FORMATS
-    paths: tuple[str, ...] = COMPUTE_PATHS
-    dtype: str = "bfloat16"  # the compute dtype of every engine, the dense reference's included
-    group_size: int = 128  # the int4 formats' group (w4a16, w4a16-asym, awq)
-    accuracy_prompts: int = 16
-    accuracy_tokens: int = 16  # greedy tokens compared per prompt
-    prompt_len: int = 64  # tokens of each accuracy and decode prompt
-    prefill_prompts: int = 4
-    prefill_len: int = 512  # tokens of each prefill prompt (one output token)
-    decode_batch: int = 16  # sequences decoding together
-    decode_tokens: int = 32  # tokens each decodes (ignore_eos)
-    repeats: int = 3  # timed runs of each measurement; the median counts
-    seed: int = 0
-    workdir: str = ""  # where the quantized checkpoints go ("": a temporary directory)
-
-    def __post_init__(self) -> None:
-        unknown = [f for f in self.formats if f not in BENCH_FORMATS] + [p for p in self.paths if p not in COMPUTE_PATHS]
-        if unknown or not self.formats or not self.paths:
-            raise ValueError(f"formats: choose from {', '.join(BENCH_FORMATS)}; paths from {', '.join(COMPUTE_PATHS)} "
-                             f"(got {unknown or 'none'})")  # fmt: skip
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if min(self.accuracy_prompts, self.accuracy_tokens, self.prompt_len, self.prefill_prompts, self.prefill_len,
-               self.decode_batch, self.decode_tokens, self.repeats, self.group_size) < 1:  # fmt: skip
-            raise ValueError("token counts, prompt counts, repeats and group_size must be >= 1")
 
 
 def bench_quantization(model: Path, cfg: QuantizationBenchConfig) -> dict[str, Any]:
@@ -61,7 +28,6 @@ def bench_quantization(model: Path, cfg: QuantizationBenchConfig) -> dict[str, A
     engine alike; each figure is the median of its rounds)."""
     import torch
 
-    from mmserve.bench.kv_cache import cpu_model
     from mmserve.quantize import quantize_checkpoint
 
     rng = random.Random(cfg.seed)

@@ -473,29 +473,3 @@ def format_report(report: dict) -> str:
 
 def _pct(value: float | None) -> str:
     return "   n/a" if value is None else f"{100 * value:5.1f}%"
-
-
-def plot_router(report: dict, out_dir: Path) -> list[Path]:
-    """One row of bars per media kind: output tok/s, prefix-cache hit rate, median TTFT, per policy."""
-    from mmserve.bench.plots import _pyplot
-
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = report["results"]
-    panels = (("output_throughput", "output tok/s"), ("server_prefix_cache_hit_rate", "prefix-cache hit rate"),
-              ("median_ttft_ms", "TTFT median (ms)"), ("family_stickiness", "family stickiness"))  # fmt: skip
-    fig, axes = plt.subplots(len(results), len(panels), figsize=(14, 3.2 * len(results)), squeeze=False)
-    for row, (media, by_policy) in enumerate(results.items()):
-        names = list(by_policy)
-        for ax, (key, title) in zip(axes[row], panels, strict=True):
-            ax.bar(names, [by_policy[n][key] or 0.0 for n in names], color=["#888", "#4a7", "#47a"][: len(names)])
-            ax.set_title(f"{title} ({'image + system prompt' if media == 'image' else 'system prompt'})", fontsize=9)
-            ax.tick_params(axis="x", labelsize=8)
-    cfg = report["config"]
-    fig.suptitle(f"{cfg['num_replicas']} mmserve replicas behind vllm-router, {cfg['num_families']} prefix families, "
-                 f"{cfg['concurrency']} in flight")  # fmt: skip
-    fig.tight_layout()
-    path = out_dir / "router.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -59,7 +58,6 @@ def bench_serve(
     cfg: ServeBenchConfig,
     *,
     api_key: str | None = None,
-    json_path: Path | None = None,
     progress: bool = True,
 ) -> dict:
     """Run the workload over each transport; `cfg.url` None starts a server on `model`: in this process
@@ -190,9 +188,6 @@ def bench_serve(
         "requests": raw,
     }
     report["config"]["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate  # JSON has no inf
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -13,7 +13,6 @@ start (`calibrate`), so the same command stresses a slow and a fast CPU alike.""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import statistics
 from collections.abc import Iterator
@@ -153,13 +152,7 @@ def load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float, met: li
         load *= step
 
 
-def bench_slo_mix(
-    model: Path,
-    cfg: MixConfig,
-    json_path: Path | None = None,
-    progress: bool = True,
-    sweep: SweepConfig | None = None,
-) -> dict:
+def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: SweepConfig | None = None) -> dict:
     """Every policy on every load (one in-process server per policy, all up for the whole run; the same
     requests for all, load by load). With `sweep`, the loads are its ladder (`load_ladder`): up until every
     policy misses the attainment bar, or down from the start until one meets it."""
@@ -205,9 +198,6 @@ def bench_slo_mix(
     }
     if sweep is not None:
         report["sweep"] = sweep_summary(results, sweep, calibration)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2))
     return report
 
 
@@ -290,7 +280,7 @@ def _line(m: dict) -> str:
     )
 
 
-def format_slo_mix(report: dict) -> str:
+def format_report(report: dict) -> str:
     """A Markdown table: one row per (load, policy)."""
     cfg = report["config"]
     head = (

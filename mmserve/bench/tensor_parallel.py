@@ -4,10 +4,8 @@ Every engine is built once, then they take turns round by round (never two stepp
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import platform
 import random
 import time
 from collections.abc import Sequence
@@ -19,35 +17,11 @@ import numpy as np
 import torch
 
 from mmserve.bench import TensorParallelBenchConfig
+from mmserve.bench.machine import cpu_model, cpu_times, load_average, other_cpu
 from mmserve.engine.messages import StepRecord
 
 if TYPE_CHECKING:
     from mmserve import LLM
-
-JSON_NAME = "tensor_parallel.json"
-PLOT_NAME = "tensor_parallel.png"
-
-
-def default_model() -> Path:
-    """The Qwen2 (text) bench preset, made once into ~/.cache/mmserve."""
-    from mmserve.tiny_model import make_tiny_model
-
-    model = Path.home() / ".cache" / "mmserve" / "bench-qwen2"
-    if not (model / "config.json").exists():
-        make_tiny_model(model, arch="qwen2", preset="bench", seed=0)
-    return model
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name (/proc/cpuinfo's `model name`), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def decode_steps(steps: Sequence[StepRecord], num_requests: int) -> list[StepRecord]:
     """Pure decode steps with every request decoding: no prefill, no media, `num_requests` tokens."""
@@ -146,9 +120,7 @@ def _run_once(
     return list(llm.step_records), [list(o.token_ids) for o in outputs]
 
 
-def bench_tensor_parallel(
-    model_dir: Path, cfg: TensorParallelBenchConfig, out_dir: Path | None = None, progress: bool = False
-) -> dict:
+def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progress: bool = False) -> dict:
     """Every TP size on the same requests, alternating: for each round and concurrency the sizes run
     one after another (reversed every other round, so drift on a shared machine hits them alike)."""
     from mmserve.models.config import DecoderConfig
@@ -158,7 +130,7 @@ def bench_tensor_parallel(
     for tp in cfg.tensor_parallel_sizes:  # before any engine starts
         check_tensor_parallel(model_cfg, tp)
     base_threads = torch.get_num_threads()
-    load_before, cpu_before = _load_average(), _cpu_times()
+    load_before, cpu_before = load_average(), cpu_times()
     llms: dict[int, LLM] = {}
     engines: dict[int, dict] = {}
     # (tp, concurrency) -> per round, its pure decode steps
@@ -211,49 +183,10 @@ def bench_tensor_parallel(
     # The ranks are waited for in close(), so their CPU time is in this process's children's times now.
     contention = {
         "load_average_before": load_before,
-        "load_average_after": _load_average(),
-        **_other_cpu(cpu_before, _cpu_times()),
+        "load_average_after": load_average(),
+        **other_cpu(cpu_before, cpu_times()),
     }
-    return _report(model_dir, cfg, engines, steps, differing, base_threads, contention, out_dir)
-
-
-def _cpu_times() -> tuple[float, float, list[int] | None]:
-    """(wall clock, CPU seconds of this process and its waited-for children, /proc/stat's cpu line)."""
-    t = os.times()
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-        stat = [int(x) for x in fields]
-    except (OSError, ValueError, IndexError):
-        stat = None
-    return time.monotonic(), t.user + t.system + t.children_user + t.children_system, stat
-
-
-def _other_cpu(before: tuple, after: tuple) -> dict:
-    """CPU time the machine spent outside this benchmark (its process and ranks) while it ran, and the
-    time the hypervisor stole: a shared machine's contention, which inflates step times unevenly (a
-    two-thread engine waits at every parallel region for a descheduled thread)."""
-    wall, mine = after[0] - before[0], after[1] - before[1]
-    if before[2] is None or after[2] is None:
-        return {"wall_s": wall, "other_cpu_s": None, "steal_s": None}
-    hz = os.sysconf("SC_CLK_TCK")
-    delta = [b - a for a, b in zip(before[2], after[2], strict=False)]
-    busy = sum(delta[i] for i in (0, 1, 2, 5, 6) if i < len(delta)) / hz  # user nice system irq softirq
-    steal = delta[7] / hz if len(delta) > 7 else 0.0
-    other = max(0.0, busy - mine)
-    return {
-        "wall_s": wall,
-        "other_cpu_s": other,
-        "other_cpu_share": other / (wall * (os.cpu_count() or 1)),  # of all the machine's CPU time
-        "steal_s": steal,
-    }
-
-
-def _load_average() -> list[float] | None:
-    """1, 5 and 15 minute load averages: well above the ranks' own threads, other work shared the CPUs."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+    return _report(model_dir, cfg, engines, steps, differing, base_threads, contention)
 
 
 def _report(
@@ -264,7 +197,6 @@ def _report(
     differing: dict[tuple[int, int], int],
     base_threads: int,
     contention: dict,
-    out_dir: Path | None,
 ) -> dict:
     base_tp = 1 if 1 in cfg.tensor_parallel_sizes else cfg.tensor_parallel_sizes[0]
     results: dict[str, dict[str, dict]] = {}
@@ -291,7 +223,7 @@ def _report(
         for tp in cfg.tensor_parallel_sizes
         if tp != base_tp
     }
-    report = {
+    return {
         "config": {"model": str(model_dir), **asdict(cfg), "num_kv_blocks": cfg.num_kv_blocks},
         "machine": {
             "cpu_model": cpu_model(),
@@ -306,54 +238,6 @@ def _report(
         # median decode step time of each TP size over the base size's, per concurrency
         "step_time_ratio_to_base": ratios,
     }
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / JSON_NAME).write_text(json.dumps(report, indent=2))
-    return report
-
-
-def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
-    """Median decode step time (p90 as the bar's top) against concurrency, one line per TP size, and
-    the ratio to the base size."""
-    from mmserve.bench.plots import _pyplot
-
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    concurrency = report["config"]["concurrency"]
-    fig, (ax, rax) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for tp, by_c in report["results"].items():
-        med = [by_c[str(c)]["median_step_s"] * 1e3 for c in concurrency]
-        p90 = [by_c[str(c)]["p90_step_s"] * 1e3 for c in concurrency]
-        ax.errorbar(concurrency, med, yerr=[np.zeros(len(med)), np.subtract(p90, med)], marker="o",
-                    capsize=3, label=f"TP={tp}")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(concurrency, [str(c) for c in concurrency])
-    ax.set_xlabel("concurrent decoding requests")
-    ax.set_ylabel("decode step (ms): median, bar to p90")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    base = report["base_tensor_parallel_size"]
-    num_ratios = len(report["step_time_ratio_to_base"])
-    width = 0.8 / max(1, num_ratios)
-    for i, (tp, by_c) in enumerate(report["step_time_ratio_to_base"].items()):
-        x = np.arange(len(concurrency)) + (i - (num_ratios - 1) / 2) * width  # centred on each tick
-        bars = rax.bar(x, [by_c[str(c)] for c in concurrency], width, label=f"TP={tp} / TP={base}")
-        for bar, c in zip(bars, concurrency, strict=True):
-            rax.annotate(f"{by_c[str(c)]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                         ha="center", va="bottom", fontsize=8)  # fmt: skip
-    rax.axhline(1.0, color="black", lw=1, ls="--")
-    rax.set_xticks(np.arange(len(concurrency)), [str(c) for c in concurrency])
-    rax.set_xlabel("concurrent decoding requests")
-    rax.set_ylabel("median step time ratio")
-    rax.margins(y=0.2)
-    rax.legend(fontsize=8)
-    fig.suptitle(f"decode step time by tensor-parallel size ({report['machine']['cpu_model']})", fontsize=9)
-    fig.tight_layout()
-    path = out_dir / PLOT_NAME
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
 
 
 def format_report(report: dict) -> str:

@@ -4,7 +4,6 @@ measured in one process, with every figure also set against the model's dense-fo
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -384,9 +383,7 @@ def _run_system(
     return run.elapsed_s, run.tokens, run, run.cpu_s
 
 
-def bench_throughput(
-    model_dir: Path, config: ThroughputBenchConfig, json_path: Path | None = None, progress: bool = False
-) -> dict:
+def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: bool = False) -> dict:
     """Every system on the same workload, `repeats` times round-robin (so drift on a shared machine
     hits every system alike); each system reports its median run, the roofline its best measurement."""
     from tqdm import tqdm
@@ -502,9 +499,6 @@ def bench_throughput(
         **_chunking_cost(results),
         **_structured_cost(results),
     }
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2))
     return report
 
 
