@@ -124,6 +124,30 @@ def test_c_kernel_leaves_what_it_does_not_cover_to_the_reference() -> None:
 
 
 @pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
+def test_c_kernel_takes_bf16_queries_and_caches_in_fp32() -> None:
+    """bf16 queries over a bf16 (or FP8) cache: widened to fp32 exactly, attended in fp32, rounded once, so
+    the result is the fp32 kernel's over the same values, rounded to bf16; a mixed batch's prefill rows are
+    still the reference's (in bf16), and everything is within bf16's rounding of the fp32 reference."""
+    torch.manual_seed(3)
+    kv_cache = torch.randn(2, 16, 4, 2, 64).bfloat16()
+    table = torch.arange(16).view(2, 8)
+    query = torch.randn(12, 8, 64).bfloat16()
+    loc, lens = [0, 11, 12], [20, 30]
+    got = cpu_attention.paged_attention(query, kv_cache, table, loc, lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    widened = cpu_attention.paged_attention(query.float(), kv_cache.float(), table, loc, lens, 0.125)
+    assert torch.equal(got[11:], widened[11:].bfloat16())
+    assert torch.equal(got[:11], reference.paged_attention(query, kv_cache, table, loc, lens, 0.125)[:11])
+    exact = reference.paged_attention(query.float(), kv_cache.float(), table, loc, lens, 0.125)
+    torch.testing.assert_close(got.float(), exact, atol=2e-2, rtol=2e-2)
+    codes = kv_cache.float().to(torch.float8_e4m3fn)
+    scales = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    on_fp8 = cpu_attention.paged_attention(query[11:], codes, table[1:], [0, 1], [30], 0.125, scales)
+    widened = cpu_attention.paged_attention(query[11:].float(), codes, table[1:], [0, 1], [30], 0.125, scales)
+    assert on_fp8.dtype == torch.bfloat16 and torch.equal(on_fp8, widened.bfloat16())
+
+
+@pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
 @pytest.mark.parametrize("num_decodes", [1, 3, 4, 9])  # below 2 per thread: one KV head per work item
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_c_kernel_work_split_matches_the_reference(num_decodes: int, num_threads: int) -> None:

@@ -1,12 +1,12 @@
 /* Decode attention over the paged KV cache on the CPU: one query row per sequence, read straight from the
  * cache blocks (no gather copy). The reference twin is kernels/reference.py::_decode_attention; this file
- * is compiled once per machine by kernels/cpu_attention.py and called through ctypes.
+ * is compiled once per machine (kernels/cbuild.py) and called through ctypes by kernels/cpu_attention.py.
  *
  * Layouts (contiguous):
  *   query, out:   [num_tokens, num_heads, head_dim] fp32; sequence s owns row rows[s]
- *   kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V): fp32, or one-byte FP8
- *                 codes when `byte_table` is given ([256] fp32: each byte's value; kernels/fp8.py), in which
- *                 case K = byte_table[code] * k_scale[kv_head] and V likewise with v_scale.
+ *   kv_cache:     [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V), kv_dtype: fp32 (0);
+ *                 one-byte FP8 codes (1) with `byte_table` ([256] fp32: each byte's value; kernels/fp8.py),
+ *                 K = byte_table[code] * k_scale[kv_head] and V likewise with v_scale; or bf16 (2), widened.
  *   block_tables: [num_seqs, block_table_stride] int64; seq_lens, rows: [num_seqs] int64
  * Query head h reads KV head h / group (transformers' repeat_kv order). A work item is one sequence's
  * KV heads [kv_first, kv_first + kv_count) and their query heads: one pass over those keys, one over the
@@ -22,22 +22,35 @@
 #define MAX_HEADS 64
 
 typedef struct {
-    const float *k_cache, *v_cache;    /* fp32 caches (byte_table == NULL) */
-    const uint8_t *k_codes, *v_codes;  /* FP8 caches (byte_table != NULL) */
+    const float *k_cache, *v_cache;    /* fp32 caches (kv_dtype KV_FP32) */
+    const uint8_t *k_codes, *v_codes;  /* FP8 caches (KV_FP8: byte_table != NULL) */
+    const uint16_t *k_bf16, *v_bf16;   /* bf16 caches (KV_BF16): raw bits */
     const float *byte_table, *k_scale, *v_scale;
-    int64_t block_size, token_stride, block_stride, group;
+    int64_t block_size, token_stride, block_stride, group, kv_dtype;
     float scale;
 } Shape;
 
+enum { KV_FP32 = 0, KV_FP8 = 1, KV_BF16 = 2 };
+
 /* Rows [0, n) of one cache block, KV heads [kv_first, kv_first + kv_count), as fp32: the fp32 cache itself
- * (*stride = token_stride), or the FP8 codes decoded and scaled into buf [n, kv_count, head_dim]. */
-static const float *block_rows(const Shape *sh, const float *cache, const uint8_t *codes, const float *scale,
-                               int64_t block, int64_t n, int64_t kv_first, int64_t kv_count, int64_t head_dim,
-                               float *restrict buf, int64_t *stride) {
+ * (*stride = token_stride), or bf16 values widened / FP8 codes decoded and scaled into buf [n, kv_count,
+ * head_dim]. */
+static const float *block_rows(const Shape *sh, const float *cache, const uint8_t *codes, const uint16_t *half,
+                               const float *scale, int64_t block, int64_t n, int64_t kv_first, int64_t kv_count,
+                               int64_t head_dim, float *restrict buf, int64_t *stride) {
     const int64_t first = block * sh->block_stride + kv_first * head_dim;
-    if (sh->byte_table == NULL) {
+    if (sh->kv_dtype == KV_FP32) {
         *stride = sh->token_stride;
         return cache + first;
+    }
+    *stride = kv_count * head_dim;
+    if (sh->kv_dtype == KV_BF16) {
+        for (int64_t j = 0; j < n; j++) {
+            const uint16_t *restrict src = half + first + j * sh->token_stride;
+            uint32_t *restrict dst = (uint32_t *)(buf + j * kv_count * head_dim);
+            for (int64_t d = 0; d < kv_count * head_dim; d++) dst[d] = (uint32_t)src[d] << 16;
+        }
+        return buf;
     }
     const float *restrict table = sh->byte_table;
     for (int64_t j = 0; j < n; j++)
@@ -47,7 +60,6 @@ static const float *block_rows(const Shape *sh, const float *cache, const uint8_
             const float s = scale[kv_first + h];
             for (int64_t d = 0; d < head_dim; d++) dst[d] = table[src[d]] * s;
         }
-    *stride = kv_count * head_dim;
     return buf;
 }
 
@@ -65,7 +77,7 @@ static const float *block_rows(const Shape *sh, const float *cache, const uint8_
         for (int64_t h = 0; h < heads; h++) row_max[h] = -FLT_MAX;                                        \
         for (int64_t start = 0; start < len; start += bs) {                                               \
             const int64_t n = len - start < bs ? len - start : bs;                                        \
-            const float *block = block_rows(sh, sh->k_cache, sh->k_codes, sh->k_scale, table[start / bs], n, \
+            const float *block = block_rows(sh, sh->k_cache, sh->k_codes, sh->k_bf16, sh->k_scale, table[start / bs], n, \
                                             kv_first, kv_count, D, buf, &stride);                         \
             for (int64_t j = 0; j < n; j++) {                                                             \
                 const float *restrict k = block + j * stride;                                             \
@@ -92,7 +104,7 @@ static const float *block_rows(const Shape *sh, const float *cache, const uint8_
         for (int64_t i = 0; i < heads * D; i++) o[i] = 0.0f; /* accumulated in place: this item's rows */\
         for (int64_t start = 0; start < len; start += bs) {                                               \
             const int64_t n = len - start < bs ? len - start : bs;                                        \
-            const float *block = block_rows(sh, sh->v_cache, sh->v_codes, sh->v_scale, table[start / bs], n, \
+            const float *block = block_rows(sh, sh->v_cache, sh->v_codes, sh->v_bf16, sh->v_scale, table[start / bs], n, \
                                             kv_first, kv_count, D, buf, &stride);                         \
             for (int64_t j = 0; j < n; j++) {                                                             \
                 const float *restrict v = block + j * stride;                                             \
@@ -117,7 +129,7 @@ DEFINE_ATTEND(attend_any, head_dim)
 /* Sequences [seq_begin, seq_end) of the decode batch, work items spread over num_threads OpenMP threads
  * (linked against the runtime torch already loaded, so they are torch's own pool).
  * Returns 0, or 1 for an unsupported shape, 2 when out of memory. */
-int paged_decode_attention(const float *query, const void *kv_cache, const float *byte_table,
+int paged_decode_attention(const float *query, const void *kv_cache, int64_t kv_dtype, const float *byte_table,
                            const float *kv_scales, const int64_t *block_tables,
                            int64_t block_table_stride, const int64_t *seq_lens, const int64_t *rows,
                            float *out, int64_t seq_begin, int64_t seq_end, int64_t num_blocks,
@@ -127,11 +139,15 @@ int paged_decode_attention(const float *query, const void *kv_cache, const float
     if (num_heads > MAX_HEADS || group * num_kv_heads != num_heads) return 1;
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
     /* kv_scales: [2, num_kv_heads] (K then V), read only with a byte table */
+    if (kv_dtype != KV_FP32 && kv_dtype != KV_FP8 && kv_dtype != KV_BF16) return 1;
+    if ((kv_dtype == KV_FP8) != (byte_table != NULL)) return 1;
     const float *k_cache = kv_cache, *k_scale = kv_scales;
     const uint8_t *k_codes = kv_cache;
+    const uint16_t *k_bf16 = kv_cache;
     const Shape sh = {k_cache, k_cache + num_blocks * block_stride, k_codes, k_codes + num_blocks * block_stride,
+                      k_bf16, k_bf16 + num_blocks * block_stride,
                       byte_table, k_scale, k_scale == NULL ? NULL : k_scale + num_kv_heads,
-                      block_size, token_stride, block_stride, group, scale};
+                      block_size, token_stride, block_stride, group, kv_dtype, scale};
     const int64_t num_seqs = seq_end - seq_begin;
     if (num_threads < 1) num_threads = 1;
     /* whole sequences when each thread gets at least two, else one KV head per item */
@@ -142,7 +158,7 @@ int paged_decode_attention(const float *query, const void *kv_cache, const float
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        /* [heads, len] scores, then [block_size, kv_count, head_dim] decoded FP8 rows */
+        /* [heads, len] scores, then [block_size, kv_count, head_dim] widened bf16 / decoded FP8 rows */
         float *scores = malloc(sizeof(float) * (size_t)(heads * max_len + block_size * kv_count * head_dim));
         float *buf = scores == NULL ? NULL : scores + heads * max_len;
         if (scores == NULL) failed = 2;
