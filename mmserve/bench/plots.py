@@ -23,6 +23,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path, dpi: int = 100) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
     """Output tokens/s per system, each bar labelled with its ratio to hf-static (or to the first
     system) and its efficiency against the roofline bound, which is drawn as a line."""
@@ -48,10 +55,7 @@ def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
     )
     ax.margins(y=0.25)
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    path = out_dir / f"throughput-{report['config'].get('workload', 'random')}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    path = _save(plt, fig, out_dir / f"throughput-{report['config'].get('workload', 'random')}.png")
     # long-video: how chunked and unchunked mmserve composed their steps as the videos arrived.
     runs = [
         (
@@ -92,11 +96,7 @@ def plot_serve(report: dict, out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / f"serve-latency-cdf-{report['config']['workload']}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out_dir / f"serve-latency-cdf-{report['config']['workload']}.png")]
 
 
 def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
@@ -133,10 +133,7 @@ def _plot_step_timelines(runs: list[tuple[str, list[dict]]], path: Path) -> Path
         twin.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
@@ -169,11 +166,7 @@ def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
             if entry["capacity_bound"] == "interpolated":
                 axes[0].axvline(entry["capacity_rps"], color=colors[policy], lw=0.8, ls="--")
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "slo_mix.png"
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out_dir / "slo_mix.png", 80)]
 
 
 def plot_router(report: dict, out_dir: Path) -> list[Path]:
@@ -193,11 +186,7 @@ def plot_router(report: dict, out_dir: Path) -> list[Path]:
     cfg = report["config"]
     fig.suptitle(f"{cfg['num_replicas']} mmserve replicas behind vllm-router, {cfg['num_families']} prefix families, "
                  f"{cfg['concurrency']} in flight")  # fmt: skip
-    fig.tight_layout()
-    path = out_dir / "router.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out_dir / "router.png", 110)]
 
 
 def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
@@ -235,8 +224,4 @@ def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
     rax.margins(y=0.2)
     rax.legend(fontsize=8)
     fig.suptitle(f"decode step time by tensor-parallel size ({report['machine']['cpu_model']})", fontsize=9)
-    fig.tight_layout()
-    path = out_dir / "tensor_parallel.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, out_dir / "tensor_parallel.png")]

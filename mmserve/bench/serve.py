@@ -317,87 +317,58 @@ def format_report(report: dict) -> str:
     from mmserve.bench.metrics import format_metrics
 
     parts = []
-    for transport, metrics in report["results"].items():
-        parts.append(f"== {transport} ==\n{format_metrics(metrics)}")
-        if "ttft_first_ms" in metrics:
-            parts.append(_format_first_vs_repeats(metrics))
+    for transport, m in report["results"].items():
+        rows: list[tuple[str, str]] = []
+        if "ttft_first_ms" in m:  # prefix: request 0 (cold) against the repeats
+            rows += [("TTFT of the first request (ms):", _num(m["ttft_first_ms"])),
+                     ("TTFT of repeats (ms):", f"median {_num(m['ttft_repeats_median_ms'])}, "
+                                               f"p90 {_num(m['ttft_repeats_p90_ms'])}"),
+                     ("TTFT repeats median / first:", _num(m["ttft_repeats_over_first"], 3))]  # fmt: skip
         for cache, title in (("prefix_cache", "Prefix cache"), ("mm_cache", "Encoder cache")):
-            rate = metrics.get(f"server_{cache}_hit_rate")
-            if rate is not None:
-                hits, queries = metrics[f"server_{cache}_hits"], metrics[f"server_{cache}_queries"]
-                parts.append(
-                    f"{title + ' hits (server):':<40}{rate:>12.1%} ({hits:.0f} of {queries:.0f} tokens)"
-                )
-        if metrics.get("video_window_s") is not None:
-            parts.append(_format_video_interference(metrics))
-        if "output_throughput_over_offline" in metrics:
-            parts.append(
-                f"{'Output / total tok/s over offline:':<40}{metrics['output_throughput_over_offline']:>12.3f}"
-                f" / {metrics['total_token_throughput_over_offline']:.3f}"
-            )
-        loop = metrics.get("engine_core_loop")
-        if loop:
-            parts.append(
-                f"{'Engine-core loop: step / io / idle:':<40}{_num(loop['step_share'], 3):>12} / "
-                f"{_num(loop['io_share'], 3)} / {_num(loop['idle_share'], 3)}\n"
-                f"{'Boundary per step: us / bytes out:':<40}{_num(loop['io_us_per_step'], 1):>12} / "
-                f"{_num(loop['bytes_out_per_step'], 0)} (io / step time {_num(loop['io_over_step_time'], 4)})"
-            )
-        if metrics.get("errors"):
-            parts.append("errors: " + "; ".join(metrics["errors"]))
-    comparison = report.get("chunk_vs_no_chunk")
-    if comparison:
-        parts.append(
-            f"== chunked / no-chunk ({comparison['transport']}) ==\n"
-            f"{'p99 text ITL while videos are in:':<40}{_num(comparison['p99_text_itl_in_window_chunk_over_no_chunk'], 3):>12}\n"
-            f"{'max text ITL while videos are in:':<40}{_num(comparison['max_text_itl_in_window_chunk_over_no_chunk'], 3):>12}\n"
-            f"{'output tok/s, no-chunk / chunked:':<40}{_num(comparison['output_throughput_no_chunk_over_chunk'], 3):>12}"
-        )
-    for name, ratios in (report.get("peers") or {}).items():
-        rounds = len(ratios["output_throughput_mmserve_over_peer_rounds"])
-        parts.append(
-            f"== mmserve / {name} (HTTP, same requests, median of {rounds} round(s)) ==\n"
-            f"{'output tok/s:':<40}{_num(ratios['output_throughput_mmserve_over_peer'], 3):>12}\n"
-            f"{'median TTFT:':<40}{_num(ratios['median_ttft_ms_mmserve_over_peer'], 3):>12}\n"
-            f"{'p99 ITL:':<40}{_num(ratios['p99_itl_ms_mmserve_over_peer'], 3):>12}"
-        )
-    offline = report.get("offline")
-    if offline:
-        parts.append(
-            f"== offline LLM.chat, same requests ==\n{'Duration (s):':<40}{offline['duration_s']:>12.2f}\n"
-            f"{'Output token throughput (tok/s):':<40}{offline['output_throughput']:>12.2f}\n"
-            f"{'Total token throughput (tok/s):':<40}{offline['total_token_throughput']:>12.2f}"
-        )
+            if m.get(f"server_{cache}_hit_rate") is not None:
+                rows.append((f"{title} hits (server):", f"{m[f'server_{cache}_hit_rate']:.1%} "
+                             f"({m[f'server_{cache}_hits']:.0f} of {m[f'server_{cache}_queries']:.0f} tokens)"))  # fmt: skip
+        if m.get("video_window_s") is not None:  # long-video: text ITL while the videos were in, and outside
+            rows.append(("Videos in the server (s):", _num(m["video_window_s"], 2)))
+            for where, title in (("in", "while videos are in"), ("out", "otherwise")):
+                rows.append((f"Text ITL {title} (ms):", ", ".join(
+                    f"{q} {_num(m[f'text_itl_{where}_window_{q}_ms'])}" for q in ("p50", "p99", "max"))))  # fmt: skip
+            rows.append(("Video TTFT (ms):", f"median {_num(m['video_ttft_median_ms'])}, "
+                                             f"max {_num(m['video_ttft_max_ms'])}"))  # fmt: skip
+        if "output_throughput_over_offline" in m:
+            rows.append(("Output / total tok/s over offline:", f"{m['output_throughput_over_offline']:.3f} / "
+                                                                f"{m['total_token_throughput_over_offline']:.3f}"))  # fmt: skip
+        if loop := m.get("engine_core_loop"):
+            rows += [("Engine-core loop: step / io / idle:", " / ".join(
+                         _num(loop[f"{k}_share"], 3) for k in ("step", "io", "idle"))),
+                     ("Boundary per step: us / bytes out:", f"{_num(loop['io_us_per_step'], 1)} / "
+                      f"{_num(loop['bytes_out_per_step'], 0)} (io / step time {_num(loop['io_over_step_time'], 4)})")]  # fmt: skip
+        parts += [f"== {transport} ==\n{format_metrics(m)}", *([_rows(rows)] if rows else [])]
+        if m.get("errors"):
+            parts.append("errors: " + "; ".join(m["errors"]))
+    if comparison := report.get("chunk_vs_no_chunk"):
+        parts.append(f"== chunked / no-chunk ({comparison['transport']}) ==\n" + _rows([
+            ("p99 text ITL while videos are in:", _num(comparison["p99_text_itl_in_window_chunk_over_no_chunk"], 3)),
+            ("max text ITL while videos are in:", _num(comparison["max_text_itl_in_window_chunk_over_no_chunk"], 3)),
+            ("output tok/s, no-chunk / chunked:", _num(comparison["output_throughput_no_chunk_over_chunk"], 3))]))  # fmt: skip
+    for name, r in (report.get("peers") or {}).items():
+        rounds = len(r["output_throughput_mmserve_over_peer_rounds"])
+        parts.append(f"== mmserve / {name} (HTTP, same requests, median of {rounds} round(s)) ==\n" + _rows([
+            (f"{title}:", _num(r[f"{key}_mmserve_over_peer"], 3))
+            for key, title in (("output_throughput", "output tok/s"), ("median_ttft_ms", "median TTFT"),
+                               ("p99_itl_ms", "p99 ITL"))]))  # fmt: skip
+    if offline := report.get("offline"):
+        parts.append("== offline LLM.chat, same requests ==\n" + _rows([
+            ("Duration (s):", f"{offline['duration_s']:.2f}"),
+            ("Output token throughput (tok/s):", f"{offline['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s):", f"{offline['total_token_throughput']:.2f}")]))  # fmt: skip
     return "\n".join(parts)
+
+
+def _rows(rows: list[tuple[str, str]]) -> str:
+    """vLLM's summary layout: each label in 40 columns, its value right-aligned in the next 12 (or longer)."""
+    return "\n".join(f"{label:<40}{value:>12}" for label, value in rows)
 
 
 def _num(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def _format_video_interference(m: dict) -> str:
-    """The long-video workload's lines: text ITL while the videos were in the server, and outside."""
-    lines = [f"{'Videos in the server (s):':<40}{_num(m['video_window_s'], 2):>12}"]
-    for where, title in (("in", "while videos are in"), ("out", "otherwise")):
-        lines.append(
-            f"{f'Text ITL {title} (ms):':<40}p50 {_num(m[f'text_itl_{where}_window_p50_ms'])}, "
-            f"p99 {_num(m[f'text_itl_{where}_window_p99_ms'])}, "
-            f"max {_num(m[f'text_itl_{where}_window_max_ms'])}"
-        )
-    lines.append(
-        f"{'Video TTFT (ms):':<40}median {_num(m['video_ttft_median_ms'])}, max {_num(m['video_ttft_max_ms'])}"
-    )
-    return "\n".join(lines)
-
-
-def _format_first_vs_repeats(m: dict) -> str:
-    """The prefix workload's TTFT lines: request 0 (cold) against the repeats."""
-    ratio = m["ttft_repeats_over_first"]
-    return "\n".join(
-        [
-            f"{'TTFT of the first request (ms):':<40}{_num(m['ttft_first_ms']):>12}",
-            f"{'TTFT of repeats (ms):':<40}median {_num(m['ttft_repeats_median_ms'])}, "
-            f"p90 {_num(m['ttft_repeats_p90_ms'])}",
-            f"{'TTFT repeats median / first:':<40}{_num(ratio, 3):>12}",
-        ]
-    )

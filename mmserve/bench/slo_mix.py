@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -178,7 +179,7 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
         for i, load in enumerate(load_ladder(cfg, sweep, start, met)):
             requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
             key = f"{load:g}"
-            phases[key] = _describe(requests)
+            phases[key] = dict(Counter(r.kind for r in requests))
             for policy, server in servers.items():
                 pairs, duration = run_phase(server.url.rstrip("/"), requests)
                 m = results[policy][key] = phase_metrics(pairs, duration, cfg)
@@ -263,13 +264,6 @@ def _capacity_ratio(entry: dict, fcfs: dict) -> float | None:
     return entry["capacity_rps"] / fcfs["capacity_rps"]
 
 
-def _describe(requests: list[Request]) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for r in requests:
-        kinds[r.kind] = kinds.get(r.kind, 0) + 1
-    return kinds
-
-
 def _line(m: dict) -> str:
     i, b = m[INTERACTIVE], m[BATCH]
     attain = "n/a" if i["slo_attainment"] is None else f"{100 * i['slo_attainment']:.0f}%"
@@ -295,30 +289,16 @@ def format_report(report: dict) -> str:
     for load in loads:
         fcfs = report["results"].get("fcfs", {}).get(load)
         for policy, by_load in report["results"].items():
-            m = by_load[load]
-            i, b = m[INTERACTIVE], m[BATCH]
-            attain = (
-                "n/a"
-                if i["slo_attainment"] is None
-                else f"{100 * i['slo_attainment']:.0f}% ({i['requests']})"
-            )
-            ratio = (
-                f"{b['throughput_tok_s'] / fcfs[BATCH]['throughput_tok_s']:.2f}"
-                if fcfs and fcfs[BATCH]["throughput_tok_s"] > 0
-                else "n/a"
-            )
+            i, b = by_load[load][INTERACTIVE], by_load[load][BATCH]
+            attain = "n/a" if i["slo_attainment"] is None else f"{100 * i['slo_attainment']:.0f}% ({i['requests']})"
+            ratio = _fmt(_ratio(b["throughput_tok_s"], fcfs[BATCH]["throughput_tok_s"]) if fcfs else None)
             rows.append(
                 f"| {load} | {policy} | {attain} | {i['goodput_rps']:.2f} | "
                 f"{i['median_ttft_ms']:.0f} / {i['p90_ttft_ms']:.0f} / {i['p99_ttft_ms']:.0f} | "
                 f"{i['median_tpot_ms']:.0f} / {i['p99_tpot_ms']:.0f} | {b['median_ttft_ms']:.0f} | "
                 f"{b['median_tpot_ms']:.0f} | {b['throughput_tok_s']:.0f} | {ratio} |"
             )
-    errors = [
-        f"{p} @ {load}: {e}"
-        for p, by in report["results"].items()
-        for load, m in by.items()
-        for e in m["errors"]
-    ]
+    errors = [f"{p} @ {load}: {e}" for p, by in report["results"].items() for load, m in by.items() for e in m["errors"]]
     if errors:
         rows.append("\nerrors: " + "; ".join(errors))
     if "sweep" in report:

@@ -178,29 +178,16 @@ def _expert_timer(llm: LLM) -> ExpertTimer | None:
     return timer
 
 
-def _make_llm(
-    model_dir: Path,
-    system: str,
-    workload: Workload,
-    max_num_seqs: int,
-    budget: int,
-    encoder_budget: int | None,
-    encoder_token_cost: float = 0.0,
-) -> LLM:
+def _make_llm(model_dir: Path, system: str, workload: Workload, c: ThroughputBenchConfig) -> LLM:
     from mmserve import LLM
 
     policy, chunk_encoder = MMSERVE_SYSTEMS[system]
+    budget = c.max_num_batched_tokens or 0
     if policy in ("no_chunk", "static"):  # these refuse a prompt longer than the budget
         budget = max(budget, max(len(p) for p in workload.prompts))
-    return LLM(
-        model_dir,
-        scheduler_policy=policy,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        max_num_encoder_tokens=encoder_budget,
-        chunk_encoder=chunk_encoder,
-        encoder_token_cost=encoder_token_cost,
-    )
+    return LLM(model_dir, scheduler_policy=policy, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget,
+               max_num_encoder_tokens=c.max_num_encoder_tokens, chunk_encoder=chunk_encoder,
+               encoder_token_cost=c.encoder_token_cost)  # fmt: skip
 
 
 def _engine_prompts(workload: Workload) -> list:
@@ -232,22 +219,12 @@ def _warm_up(llm: LLM, workload: Workload) -> None:
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 
 
-def run_mmserve(
-    model_dir: Path,
-    workload: Workload,
-    system: str,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_num_encoder_tokens: int | None = None,
-    encoder_token_cost: float = 0.0,
-) -> MmserveRun:
+def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputBenchConfig) -> MmserveRun:
     """All requests through `LLM.generate` at once, or (long-video) through the arrival driver."""
     from mmserve import SamplingParams
-
-    llm = _make_llm(
-        model_dir, system, workload, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens, encoder_token_cost
-    )
     from mmserve.request import StructuredOutputs
+
+    llm = _make_llm(model_dir, system, workload, c)
 
     spec = StructuredOutputs(regex=STRUCTURED_REGEX) if system == "mmserve-structured" else None
     params = [
@@ -358,28 +335,17 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]], firs
 
 
 def _run_system(
-    system: str,
-    model_dir: Path,
-    hf_model: torch.nn.Module,
-    workload: Workload,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_num_encoder_tokens: int | None,
-    hf_batch_size: int,
-    encoder_token_cost: float = 0.0,
+    system: str, model_dir: Path, hf_model: torch.nn.Module, workload: Workload, c: ThroughputBenchConfig
 ) -> tuple[float, list[list[int]], MmserveRun | None, float]:
     """One timed run: (elapsed seconds, greedy tokens per request, mmserve's extra figures or None, CPU
     seconds of this process over the timed span)."""
     if system == "hf-static":
-        elapsed, tokens, cpu = run_hf_static(hf_model, workload, hf_batch_size, 0, model_dir)
+        elapsed, tokens, cpu = run_hf_static(hf_model, workload, c.hf_batch_size, 0, model_dir)
         return elapsed, tokens, None, cpu
     if system == "hf-cb":
-        elapsed, tokens, cpu = run_hf_cb(hf_model, workload, max_num_seqs, max_num_batched_tokens)
+        elapsed, tokens, cpu = run_hf_cb(hf_model, workload, c.max_num_seqs, c.max_num_batched_tokens or 0)
         return elapsed, tokens, None, cpu
-    run = run_mmserve(
-        model_dir, workload, system, max_num_seqs, max_num_batched_tokens, max_num_encoder_tokens,
-        encoder_token_cost,
-    )  # fmt: skip
+    run = run_mmserve(model_dir, workload, system, c)
     return run.elapsed_s, run.tokens, run, run.cpu_s
 
 
@@ -397,17 +363,8 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
     elif c.workload == "prefix":
         workload = prefix_workload(cfg.vocab_size, c.num_prompts, c.prefix_len, c.input_len, c.output_len, c.seed)
     elif c.workload == "random-mm":
-        workload = random_mm_workload(
-            model_dir,
-            c.num_prompts,
-            c.input_len,
-            c.output_len,
-            c.num_images,
-            c.image_size,
-            c.seed,
-            c.num_frames,
-            c.video_size,
-        )
+        workload = random_mm_workload(model_dir, c.num_prompts, c.input_len, c.output_len, c.num_images, c.image_size,
+                                      c.seed, c.num_frames or 0, c.video_size or 112)  # fmt: skip
     else:
         workload = long_video_workload(
             model_dir, cfg.vocab_size, c.num_prompts, c.input_len, c.output_len, c.num_videos, c.num_frames,
@@ -422,11 +379,7 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
         for _ in range(c.repeats):
             rooflines.append(dense_token_rate(hf_model, cfg.vocab_size))
             for system in c.systems:
-                run = _run_system(
-                    system, model_dir, hf_model, workload, c.max_num_seqs, c.max_num_batched_tokens,
-                    c.max_num_encoder_tokens, c.hf_batch_size, c.encoder_token_cost,
-                )  # fmt: skip
-                runs[system].append(run)
+                runs[system].append(_run_system(system, model_dir, hf_model, workload, c))
                 gc.collect()
                 bar.update()
     roofline = max(rooflines)  # a ceiling: noise only ever makes a measurement of it lower

@@ -159,10 +159,7 @@ def build_requests(
     prefix = random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
 
     def image_parts() -> list[dict]:  # `num_images` fresh random PNGs as content parts
-        return [
-            {"type": "image_url", "image_url": {"url": image_data_url(np_rng, image_size, image_format)}}
-            for _ in range(num_images)
-        ]
+        return [image_part(image_data_url(np_rng, image_size, image_format)) for _ in range(num_images)]
 
     # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
     shared_images = image_parts() if workload == "prefix" else []
@@ -171,20 +168,15 @@ def build_requests(
         text = prefix + random_text(rng, rng.randint(*input_len), tokenizer)
         content: str | list[dict] = text
         if shared_images:
-            content = [*shared_images, {"type": "text", "text": text}]
+            content = [*shared_images, text_part(text)]
         if workload == "random-mm":
-            content = image_parts()
-            if num_frames:
-                url = video_data_url(np_rng, num_frames, video_size)
-                content.append({"type": "video_url", "video_url": {"url": url}})
-            content.append({"type": "text", "text": text})
+            content = image_parts()  # then the video: the images are drawn first
+            content += [video_part(video_data_url(np_rng, num_frames, video_size))] if num_frames else []
+            content.append(text_part(text))
         out.append(Request([{"role": "user", "content": content}], rng.randint(*output_len)))
     if workload == "long-video":
         for j in range(num_videos):
-            content = [
-                {"type": "video_url", "video_url": {"url": video_data_url(np_rng, num_frames, video_size)}},
-                {"type": "text", "text": f"What happens in clip {j}?"},
-            ]
+            content = [video_part(video_data_url(np_rng, num_frames, video_size)), text_part(f"What happens in clip {j}?")]
             out.append(Request([{"role": "user", "content": content}], VIDEO_OUTPUT_LEN, late=True))
     return out
 
@@ -207,13 +199,11 @@ def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> 
         kind = ("long-text", "multi-image", "video")[i % 3]
         text = "Summarise this document.\n" + random_text(rng, rng.randint(*cfg.batch_input_len), tokenizer)
         if kind == "multi-image":
-            parts = [{"type": "image_url", "image_url": {"url": image_data_url(np_rng, cfg.image_size)}}
-                     for _ in range(cfg.batch_images)]  # fmt: skip
-            content: str | list[dict] = [*parts, {"type": "text", "text": "Compare these images."}]
+            parts = [image_part(image_data_url(np_rng, cfg.image_size)) for _ in range(cfg.batch_images)]
+            content: str | list[dict] = [*parts, text_part("Compare these images.")]
         elif kind == "video":
             url = video_data_url(np_rng, cfg.video_frames, cfg.video_size)
-            content = [{"type": "video_url", "video_url": {"url": url}},
-                       {"type": "text", "text": "Describe what happens in the video."}]  # fmt: skip
+            content = [video_part(url), text_part("Describe what happens in the video.")]
         else:
             content = text
         messages = [{"role": "user", "content": content}]
@@ -238,16 +228,10 @@ def _chat(
     cfg: MixConfig, rng: random.Random, np_rng: np.random.Generator, tokenizer: Any | None, at_s: float
 ) -> Request:
     text = random_text(rng, rng.randint(*cfg.chat_input_len), tokenizer)
-    if rng.random() < cfg.chat_image_share:
-        content: str | list[dict] = [
-            {"type": "image_url", "image_url": {"url": image_data_url(np_rng, cfg.image_size)}},
-            {"type": "text", "text": text},
-        ]
-        kind = "image"
-    else:
-        content, kind = text, "text"
+    image = rng.random() < cfg.chat_image_share
+    content = [image_part(image_data_url(np_rng, cfg.image_size)), text_part(text)] if image else text
     messages = [{"role": "user", "content": content}]
-    return Request(messages, rng.randint(*cfg.chat_output_len), INTERACTIVE, kind, at_s=at_s)
+    return Request(messages, rng.randint(*cfg.chat_output_len), INTERACTIVE, "image" if image else "text", at_s=at_s)
 
 
 # ---------------------------------------------------------------------------------------- offline workloads
