@@ -153,12 +153,13 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # [num_tokens, q + kv heads, head_dim]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k rotate as one tensor: the same elementwise ops, half the calls
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.calibrate_kv_scales and fp8.is_fp8(kv_cache.dtype):
             self.kv_scales.copy_(fp8.calibrated_scales(k, v, kv_cache.dtype))
