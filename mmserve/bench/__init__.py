@@ -175,10 +175,6 @@ MEDIA_SOURCES = ("data-url", "upload")
 TRANSPORTS = ("ws", "http")
 
 
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(t.strip() for t in text.split(",") if t.strip())
-
-
 @dataclass(frozen=True)
 class ServeBenchConfig:
     """`mmserve bench serve` (every workload but slo-mix, which has `MixConfig`)."""
@@ -189,7 +185,7 @@ class ServeBenchConfig:
         "(default: --url)", repeat=True)  # fmt: skip
     transports: tuple[str, ...] = knob(
         ("ws",), "ws, http or ws,http (each its own draw of the workload: none finds another's prompts cached)",
-        flag="--transport", parse=_words)  # fmt: skip
+        flag="--transport")  # fmt: skip
     workload: str = knob(
         "random", "prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
         "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a cold "
@@ -278,7 +274,7 @@ class ServeBenchConfig:
 class ThroughputBenchConfig:
     """`mmserve bench throughput`: every system offline on the same requests."""
 
-    systems: tuple[str, ...] = knob(("mmserve", "hf-static"), "comma-separated: " + ",".join(SYSTEMS), parse=_words)
+    systems: tuple[str, ...] = knob(("mmserve", "hf-static"), "comma-separated: " + ",".join(SYSTEMS))
     workload: str = knob("random", choices=WORKLOADS)
     num_prompts: int = 64
     input_len: tuple[int, int] = knob((16, 128), "MIN-MAX prompt tokens", parse=token_range)

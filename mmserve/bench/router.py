@@ -35,7 +35,7 @@ from mmserve.bench import RouterBenchConfig
 from mmserve.bench.load import cache_figures, scrape_cache_counters, send_http
 from mmserve.bench.metrics import RequestTiming, compute_metrics
 from mmserve.bench.servers import ServerProcess, wait_until_healthy
-from mmserve.bench.workload import Request, image_data_url, load_tokenizer, random_text
+from mmserve.bench.workload import Request, image_data_url, image_part, load_tokenizer, random_text, text_part
 
 SERVED_MODEL_NAME = "bench"
 
@@ -335,8 +335,7 @@ def family_requests(
         system = random_text(rng, system_len, tokenizer)
         for i in range(requests_per_family):
             user: Any = f"Request {seed}-{f}-{i}: " + random_text(rng, user_len, tokenizer)
-            if image is not None:
-                user = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": user}]
+            user = [image_part(image), text_part(user)] if image is not None else user
             messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
             out.append(FamilyRequest(f, Request(messages, output_len)))
     rng.shuffle(out)
