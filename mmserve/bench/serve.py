@@ -87,11 +87,7 @@ def bench_serve(
     metrics_urls = list(cfg.metrics_url) or None
 
     def requests_for(index: int) -> list[Request]:
-        return build_requests(
-            cfg.workload, cfg.num_prompts, cfg.input_len, cfg.output_len, cfg.seed + index, tokenizer,
-            cfg.num_images, cfg.image_size, cfg.prefix_len, cfg.num_frames or 0, cfg.video_size or 112,
-            cfg.num_videos, cfg.image_format,
-        )  # fmt: skip
+        return build_requests(cfg, cfg.seed + index, tokenizer)
 
     requests = requests_for(0)  # built before any server starts: bad workload options fail fast
     if cfg.url is None and model is None:

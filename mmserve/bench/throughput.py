@@ -15,13 +15,7 @@ import torch
 
 from mmserve.bench import ThroughputBenchConfig
 from mmserve.bench.hf_baselines import load_hf_model, run_hf_cb, run_hf_static
-from mmserve.bench.workload import (
-    Workload,
-    long_video_workload,
-    prefix_workload,
-    random_mm_workload,
-    random_workload,
-)
+from mmserve.bench.workload import Workload, offline_workload
 from mmserve.engine.messages import StepRecord
 
 if TYPE_CHECKING:
@@ -358,19 +352,7 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
 
     c = config.resolved()
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
-    if c.workload == "random":
-        workload = random_workload(cfg.vocab_size, c.num_prompts, c.input_len, c.output_len, c.seed)
-    elif c.workload == "prefix":
-        workload = prefix_workload(cfg.vocab_size, c.num_prompts, c.prefix_len, c.input_len, c.output_len, c.seed)
-    elif c.workload == "random-mm":
-        workload = random_mm_workload(model_dir, c.num_prompts, c.input_len, c.output_len, c.num_images, c.image_size,
-                                      c.seed, c.num_frames or 0, c.video_size or 112)  # fmt: skip
-    else:
-        workload = long_video_workload(
-            model_dir, cfg.vocab_size, c.num_prompts, c.input_len, c.output_len, c.num_videos, c.num_frames,
-            c.video_size, c.video_interval_steps, c.max_num_batched_tokens,
-            c.max_num_encoder_tokens or c.max_num_batched_tokens, c.seed,
-        )  # fmt: skip
+    workload = offline_workload(model_dir, c, cfg.vocab_size)
     hf_model = load_hf_model(model_dir)
     rooflines: list[float] = []
     # system -> [(elapsed, greedy tokens, mmserve run or None, CPU seconds)], one per repeat

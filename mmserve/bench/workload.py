@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.bench import WORKLOADS, MixConfig
+from mmserve.bench import MixConfig, ServeBenchConfig, ThroughputBenchConfig
 
 INTERACTIVE, BATCH = "interactive", "batch"  # service classes (slo-mix): service_tier default / flex
 _WORDS = (
@@ -122,50 +122,35 @@ class Request:
         return body | self.extra
 
 
-def build_requests(
-    workload: str,
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    seed: int = 0,
-    tokenizer: Any | None = None,
-    num_images: int | None = None,
-    image_size: int = 64,
-    prefix_len: int = 512,
-    num_frames: int = 0,
-    video_size: int = 112,
-    num_videos: int = 2,
-    image_format: str = "png",
-) -> list[Request]:
-    """`random`: text prompts of random length; `random-mm`: the same, each with `num_images` (default 1)
-    random images of `image_size`^2 pixels sent as PNG data URLs and (num_frames > 0) one video of
-    `num_frames` random `video_size`^2 frames sent as an mp4 data URL (distinct per request: no cache
-    hits); `prefix`: every prompt starts with the same `num_images` (default 0) images of `image_size`^2
-    pixels (the same pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text of
-    about `prefix_len` tokens, then a random text of its own; `long-video`: the `random` text prompts,
-    then `num_videos` requests of one video each (`num_frames` random `video_size`^2 frames and a short
-    question, VIDEO_OUTPUT_LEN tokens out), marked `late`: they arrive while the texts decode."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
-    num_images = resolve_num_images(workload, num_images)
+def build_requests(cfg: ServeBenchConfig, seed: int, tokenizer: Any | None = None) -> list[Request]:
+    """`cfg.workload`'s requests (`cfg` resolved: its images and frames per prompt filled in). `random`: text
+    prompts of random length; `random-mm`: the same, each with `num_images` random images of `image_size`^2
+    pixels sent as data URLs and (num_frames > 0) one video of `num_frames` random `video_size`^2 frames sent as
+    an mp4 data URL (distinct per request: no cache hits); `prefix`: every prompt starts with the same
+    `num_images` images (the same pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text
+    of about `prefix_len` tokens, then a random text of its own; `long-video`: the `random` text prompts, then
+    `num_videos` requests of one video each (`num_frames` frames and a short question, VIDEO_OUTPUT_LEN tokens
+    out), marked `late`: they arrive while the texts decode."""
+    workload, num_images, num_frames = cfg.workload, cfg.num_images or 0, cfg.num_frames or 0
     if workload == "random-mm" and (num_images < 0 or num_frames < 0 or num_images + num_frames == 0):
         raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
     if workload == "prefix" and num_images < 0:
         raise ValueError("prefix: --num-images must not be negative")
-    if workload == "long-video" and (num_videos < 1 or num_frames < 1):
+    if workload == "long-video" and (cfg.num_videos < 1 or num_frames < 1):
         raise ValueError("long-video needs --num-videos and --num-frames >= 1")
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
-    prefix = random_text(rng, prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
+    prefix = random_text(rng, cfg.prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
+    video_size = cfg.video_size or 112
 
-    def image_parts() -> list[dict]:  # `num_images` fresh random PNGs as content parts
-        return [image_part(image_data_url(np_rng, image_size, image_format)) for _ in range(num_images)]
+    def image_parts() -> list[dict]:  # `num_images` fresh random images as content parts
+        return [image_part(image_data_url(np_rng, cfg.image_size, cfg.image_format)) for _ in range(num_images)]
 
     # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
     shared_images = image_parts() if workload == "prefix" else []
     out = []
-    for _ in range(num_prompts):
-        text = prefix + random_text(rng, rng.randint(*input_len), tokenizer)
+    for _ in range(cfg.num_prompts):
+        text = prefix + random_text(rng, rng.randint(*cfg.input_len), tokenizer)
         content: str | list[dict] = text
         if shared_images:
             content = [*shared_images, text_part(text)]
@@ -173,21 +158,12 @@ def build_requests(
             content = image_parts()  # then the video: the images are drawn first
             content += [video_part(video_data_url(np_rng, num_frames, video_size))] if num_frames else []
             content.append(text_part(text))
-        out.append(Request([{"role": "user", "content": content}], rng.randint(*output_len)))
+        out.append(Request([{"role": "user", "content": content}], rng.randint(*cfg.output_len)))
     if workload == "long-video":
-        for j in range(num_videos):
+        for j in range(cfg.num_videos):
             content = [video_part(video_data_url(np_rng, num_frames, video_size)), text_part(f"What happens in clip {j}?")]
             out.append(Request([{"role": "user", "content": content}], VIDEO_OUTPUT_LEN, late=True))
     return out
-
-
-def resolve_num_images(workload: str, num_images: int | None) -> int:
-    """Images per prompt: `num_images`, or the workload's default (random-mm 1, prefix 0, random none)."""
-    if workload not in ("random-mm", "prefix"):
-        return 0
-    if num_images is not None:
-        return num_images
-    return 1 if workload == "random-mm" else 0
 
 
 def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> list[Request]:
@@ -331,78 +307,69 @@ def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
     return ids, video_tokens
 
 
-def random_mm_workload(
-    model_dir: Path,
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    num_images: int = 1,
-    image_size: int = 64,
-    seed: int = 0,
-    num_frames: int = 0,
-    video_size: int = 112,
-) -> Workload:
+def offline_workload(model_dir: Path, c: ThroughputBenchConfig, vocab_size: int) -> Workload:
+    """`c.workload`'s requests as the engine sees them (`c` resolved)."""
+    if c.workload == "random":
+        return random_workload(vocab_size, c.num_prompts, c.input_len, c.output_len, c.seed)
+    if c.workload == "prefix":
+        return prefix_workload(vocab_size, c.num_prompts, c.prefix_len, c.input_len, c.output_len, c.seed)
+    if c.workload == "random-mm":
+        return random_mm_workload(model_dir, c)
+    return long_video_workload(model_dir, vocab_size, c)
+
+
+def random_mm_workload(model_dir: Path, c: ThroughputBenchConfig) -> Workload:
     """Each prompt: `num_images` random images of `image_size`^2 pixels, then (num_frames > 0) one video
     of `num_frames` random `video_size`^2 frames, all distinct (no cache hits), and a random text."""
     from PIL import Image
 
+    num_images, image_size, num_frames, video_size = c.num_images, c.image_size, c.num_frames or 0, c.video_size or 112
     if num_images < 0 or num_frames < 0 or num_images + num_frames == 0:
         raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
+    rng = random.Random(c.seed)
+    np_rng = np.random.default_rng(c.seed)
     words = "red blue green circle square shape image count colour left right top bottom".split()
     mm_prompts: list[dict | None] = []
-    for _ in range(num_prompts):
+    for _ in range(c.num_prompts):
         images = [
             Image.fromarray(np_rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8))
             for _ in range(num_images)
         ]
         videos = [video_frames(np_rng, num_frames, video_size)] if num_frames else []
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(*input_len)))
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(*c.input_len)))
         marks = _IMAGE_MARK * num_images + _VIDEO_MARK * len(videos)
         mm_prompts.append({"prompt": _template(marks + text), "images": images, "videos": videos})
     ids, video_tokens = _expand(model_dir, mm_prompts)
-    out_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
+    out_lens = [rng.randint(*c.output_len) for _ in range(c.num_prompts)]
     return Workload(ids, out_lens, mm_prompts, video_tokens=video_tokens)
 
 
-def long_video_workload(
-    model_dir: Path,
-    vocab_size: int,
-    num_prompts: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    num_videos: int,
-    num_frames: int,
-    video_size: int,
-    interval_steps: int,
-    max_num_batched_tokens: int,
-    max_num_encoder_tokens: int,
-    seed: int = 0,
-) -> Workload:
+def long_video_workload(model_dir: Path, vocab_size: int, c: ThroughputBenchConfig) -> Workload:
     """`num_prompts` random text requests added at once, then `num_videos` video requests (one random
-    video and a short question each) added one every `interval_steps` driver steps, the first
+    video and a short question each) added one every `video_interval_steps` driver steps, the first
     FIRST_VIDEO_STEP steps after the text prompts could have prefilled at the token budget. The
     schedule counts steps, not seconds, so every mmserve system sees the same arrivals.
 
     Text outputs are the random lengths plus enough steps to outlast every video's chunked prefill
     (budget left beside the decodes, or the encoder budget, whichever is smaller), so the videos
     always arrive into a steady set of decodes."""
+    num_prompts, num_videos, num_frames, interval_steps = c.num_prompts, c.num_videos, c.num_frames or 0, c.video_interval_steps
+    budget = c.max_num_batched_tokens or 0
     if num_videos < 1 or num_frames < 1 or interval_steps < 1:
         raise ValueError("long-video needs --num-videos, --num-frames and --video-interval-steps >= 1")
-    text = random_workload(vocab_size, num_prompts, input_len, output_len, seed)
-    np_rng = np.random.default_rng(seed + 1)
+    text = random_workload(vocab_size, num_prompts, c.input_len, c.output_len, c.seed)
+    np_rng = np.random.default_rng(c.seed + 1)
     videos = [
         {
             "prompt": _template(_VIDEO_MARK + f"What happens in clip {j}?"),
-            "videos": [video_frames(np_rng, num_frames, video_size)],
+            "videos": [video_frames(np_rng, num_frames, c.video_size or 224)],
         }
         for j in range(num_videos)
     ]
     video_ids, video_tokens = _expand(model_dir, videos)
-    first = -(-text.num_prompt_tokens // max_num_batched_tokens) + FIRST_VIDEO_STEP
+    first = -(-text.num_prompt_tokens // budget) + FIRST_VIDEO_STEP
     arrivals = [first + j * interval_steps for j in range(num_videos)]
-    per_step = max(1, min(max_num_batched_tokens - num_prompts, max_num_encoder_tokens))
+    per_step = max(1, min(budget - num_prompts, c.max_num_encoder_tokens or budget))
     prefill_steps = sum(-(-len(p) // per_step) for p in video_ids)
     cover = arrivals[-1] + prefill_steps + VIDEO_OUTPUT_LEN
     return Workload(
