@@ -18,26 +18,12 @@ from mmserve.bench.workload import video_prompt
 from mmserve.engine.messages import StepRecord
 
 
-def run_once(
-    model_dir: Path,
-    chunk_encoder: bool,
-    num_decodes: int,
-    num_frames: int,
-    frame_size: int,
-    max_num_batched_tokens: int,
-    max_num_encoder_tokens: int,
-    max_step_ms: float | None = None,
-    dtype: str | None = None,
-) -> dict:
-    llm = LLM(
-        model_dir,
-        dtype=dtype,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_encoder_tokens=max_num_encoder_tokens,
-        chunk_encoder=chunk_encoder,
-        encoder_cache_size=1 << 20,
-        max_step_ms=max_step_ms,
-    )
+def run_once(model_dir: Path, cfg: LongVideoBenchConfig, chunk_encoder: bool, max_step_ms: float | None) -> dict:
+    """`cfg.num_decodes` decodes running, then the video added: every step until its first token."""
+    llm = LLM(model_dir, dtype=cfg.dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
+              max_num_encoder_tokens=cfg.max_num_encoder_tokens, chunk_encoder=chunk_encoder,
+              encoder_cache_size=1 << 20, max_step_ms=max_step_ms)  # fmt: skip
+    num_decodes, frame_size = cfg.num_decodes, cfg.frame_size
     engine, processor = llm.engine, llm.processor
     llm.generate([video_prompt(4, frame_size, 1)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     decode = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
@@ -47,7 +33,7 @@ def run_once(
     for _ in range(4):  # all decodes running
         engine.step()
     video, _ = processor.process(
-        video_prompt(num_frames, frame_size, 2), SamplingParams(max_tokens=1), "video"
+        video_prompt(cfg.num_frames, frame_size, 2), SamplingParams(max_tokens=1), "video"
     )
     # One input holding every group (Qwen2/2.5-VL), or one input per group (Qwen3-VL: timestamps between them).
     num_groups = sum(mm.num_groups for mm in video.mm_inputs)
@@ -102,13 +88,7 @@ def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig) -> dict:
     whole under the first of them."""
     first = cfg.max_step_ms[0] or None
     runs = [(True, m or None) for m in cfg.max_step_ms] + ([(False, first)] if cfg.whole else [])
-    results = [
-        run_once(
-            model_dir, chunk, cfg.num_decodes, cfg.num_frames, cfg.frame_size, cfg.max_num_batched_tokens,
-            cfg.max_num_encoder_tokens, step_ms, cfg.dtype,
-        )
-        for chunk, step_ms in runs
-    ]  # fmt: skip
+    results = [run_once(model_dir, cfg, chunk, step_ms) for chunk, step_ms in runs]
     report = {
         "config": {**asdict(cfg), "model": str(model_dir)},
         "runs": results,

@@ -25,24 +25,14 @@ from mmserve.bench.servers import InProcessServer, ServerProcess
 from mmserve.bench.workload import Request, build_requests, load_tokenizer
 
 
-def offline_baseline(
-    model: Path,
-    requests: list[Request],
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_num_encoder_tokens: int | None = None,
-) -> dict:
+def offline_baseline(model: Path, requests: list[Request], cfg: ServeBenchConfig) -> dict:
     """The same requests (messages, output lengths, greedy, ignore_eos) through the offline `LLM.chat`
     with the server's engine settings, in this process: the throughput the serving path is compared
     with, on exactly the same work. A warm-up request first, not counted."""
     from mmserve import LLM, SamplingParams
 
-    llm = LLM(
-        model,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_encoder_tokens=max_num_encoder_tokens,
-    )
+    llm = LLM(model, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+              max_num_encoder_tokens=cfg.max_num_encoder_tokens)  # fmt: skip
     llm.chat([{"role": "user", "content": "Warm up."}], SamplingParams(max_tokens=2, temperature=0.0))
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     start = time.perf_counter()
@@ -162,9 +152,7 @@ def bench_serve(
     offline_figures = None
     if cfg.offline:
         assert model is not None
-        offline_figures = offline_baseline(
-            model, requests_for(0), cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_num_encoder_tokens
-        )
+        offline_figures = offline_baseline(model, requests_for(0), cfg)
         for metrics in results.values():
             for key in ("output_throughput", "total_token_throughput"):
                 metrics[f"{key}_over_offline"] = metrics[key] / offline_figures[key]
