@@ -315,29 +315,20 @@ class FamilyRequest:
     request: Request
 
 
-def family_requests(
-    num_families: int,
-    requests_per_family: int,
-    system_len: int,
-    user_len: int,
-    output_len: int,
-    image_size: int | None,
-    seed: int,
-    tokenizer: Any | None,
-) -> list[FamilyRequest]:
-    """Each family: one system prompt of about `system_len` tokens and (`image_size` not None) one image; each
+def family_requests(cfg: RouterBenchConfig, media: str, seed: int, tokenizer: Any | None) -> list[FamilyRequest]:
+    """Each family: one system prompt of about `system_len` tokens and (`media` "image") one image; each
     request of it adds a user text of its own (about `user_len` tokens, a numbered opening so no two are
     alike) after the image. Families interleave in random order, as independent users' conversations would."""
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     out: list[FamilyRequest] = []
-    for f in range(num_families):
-        image = image_data_url(np_rng, image_size) if image_size is not None else None
-        system = random_text(rng, system_len, tokenizer)
-        for i in range(requests_per_family):
-            user: Any = f"Request {seed}-{f}-{i}: " + random_text(rng, user_len, tokenizer)
+    for f in range(cfg.num_families):
+        image = image_data_url(np_rng, cfg.image_size) if media == "image" else None
+        system = random_text(rng, cfg.system_len, tokenizer)
+        for i in range(cfg.requests_per_family):
+            user: Any = f"Request {seed}-{f}-{i}: " + random_text(rng, cfg.user_len, tokenizer)
             user = [image_part(image), text_part(user)] if image is not None else user
             messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-            out.append(FamilyRequest(f, Request(messages, output_len)))
+            out.append(FamilyRequest(f, Request(messages, cfg.output_len)))
     rng.shuffle(out)
     return out
 
@@ -430,9 +421,7 @@ def bench_router(model: Path, cfg: RouterBenchConfig) -> dict:
         for media in cfg.media:
             for policy in cfg.policies:
                 run += 1
-                requests = family_requests(cfg.num_families, cfg.requests_per_family, cfg.system_len, cfg.user_len,
-                                           cfg.output_len, cfg.image_size if media == "image" else None,
-                                           cfg.seed * 1000 + run, tokenizer)  # fmt: skip
+                requests = family_requests(cfg, media, cfg.seed * 1000 + run, tokenizer)
                 figures = asyncio.run(run_policy(policy, replicas, model, requests, cfg.concurrency))
                 results.setdefault(media, {})[policy] = figures
     finally:
