@@ -141,7 +141,7 @@ def choose_paths(
     """The paths a model whose linear layers hold `weights` (in forward order) takes on `device`.
     `setting`: auto | mm_t | linear | c (None: $MMSERVE_CPU_LINEAR, else auto). auto measures on the
     CPU, once per machine, torch, dtype, thread count and weight shapes (cached under `cache_dir()`)."""
-    setting = (setting or os.environ.get(ENV, "").strip().lower() or "auto").lower()
+    setting = (setting or os.environ.get(ENV, "").strip() or "auto").lower()
     if setting not in (*PATHS, "auto"):
         raise ValueError(f"{ENV}={setting!r}: choose from auto, {', '.join(PATHS)}")
     if setting == "c" and load() is None:
