@@ -30,7 +30,13 @@ from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
 from mmserve.kernels.cpu_linear import choose_paths
-from mmserve.kernels.dispatch import get_attention_backend, get_moe_backend, get_w4a16_backend
+from mmserve.kernels.dispatch import (
+    get_attention_backend,
+    get_elementwise_ops,
+    get_moe_backend,
+    get_w4a16_backend,
+)
+from mmserve.kernels.reference import decode_rows
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
@@ -87,6 +93,7 @@ class ModelRunner:
         # On the CPU, the product each decode row count takes: measured once per machine and model, cached.
         self.linear_paths = choose_paths(torch.device(device), self.model.linear_weights())
         self.model.set_linear_paths(self.linear_paths)
+        self.model.set_elementwise_ops(get_elementwise_ops(torch.device(device)))
         # One pool per layer, this rank's KV heads: [2, num_blocks, block_size, num_kv_heads, head_dim]
         _, num_kv_heads = kv_head_range(cfg.num_heads, cfg.num_kv_heads, tp.rank, tp.world_size)
         shape = (2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
@@ -412,12 +419,14 @@ class ModelRunner:
             for r0, r1, prompt_positions, start in mrope_rows:
                 pos[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
         pos = pos.to(dev)
+        tables = torch.tensor(block_tables, dtype=torch.long, device=dev)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(block_tables, dtype=torch.long, device=dev),
+            block_tables=tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
+            decodes=decode_rows(tables, query_start_loc, seq_lens),
         )

@@ -46,21 +46,21 @@ def paged_attention(
     seq_lens: list[int],
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    decodes: reference.DecodeRows | None = None,
 ) -> torch.Tensor:
     """reference.paged_attention's contract. Decodes run in the C kernel on torch's intra-op thread count, in
     fp32 (bf16 queries widened and their results rounded back; a bf16 cache widened, an FP8 one decoded
     through its byte table); prefill chunks and unsupported inputs (other dtypes, off the CPU) take the
     reference."""
     kernel = load()
-    decodes = reference.decode_seqs(query_start_loc)
-    if kernel is None or not decodes or not supports(query, kv_cache):
-        args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales)
+    if decodes is None:
+        decodes = reference.decode_rows(block_tables, query_start_loc, seq_lens)
+    if kernel is None or not decodes.seqs or not supports(query, kv_cache):
+        args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales, decodes)
         return reference.paged_attention(*args)
     query32 = query.float().contiguous()  # [num_tokens, num_heads, head_dim]
     out32 = torch.empty_like(query32)
-    tables = block_tables[decodes].to(torch.int64).contiguous()  # [num_decodes, max_blocks]
-    lens_t = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64)
-    rows_t = torch.tensor([query_start_loc[i] for i in decodes], dtype=torch.int64)
+    tables = decodes.block_tables  # [num_decodes, max_blocks]
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
     table, scales = None, None
     if fp8.is_fp8(kv_cache.dtype):
@@ -68,13 +68,13 @@ def paged_attention(
         scales = fp8.unit_scales(num_kv_heads) if kv_scales is None else kv_scales.float().contiguous()
     kv_dtype = 1 if table is not None else _KV_DTYPES[kv_cache.dtype]
     args = (query32.data_ptr(), kv_cache.data_ptr(), kv_dtype, _address(table), _address(scales), tables.data_ptr(),
-            tables.stride(0), lens_t.data_ptr(), rows_t.data_ptr(), out32.data_ptr())  # fmt: skip
+            tables.stride(0), decodes.seq_lens.data_ptr(), decodes.rows.data_ptr(), out32.data_ptr())  # fmt: skip
     shape = (num_blocks, block_size, query.shape[1], num_kv_heads, head_dim, scale)
-    code = kernel(*args, 0, len(decodes), *shape, torch.get_num_threads())
+    code = kernel(*args, 0, len(decodes.seqs), *shape, torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"paged_decode_attention failed with code {code}")
     out = out32.to(query.dtype)
-    if len(decodes) < len(seq_lens):
+    if len(decodes.seqs) < len(seq_lens):
         args = (out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales)
         reference.prefill_attention(*args)
     return out

@@ -2,7 +2,9 @@
 (`cpu`) where it compiles, else the torch reference (`torch`). `MMSERVE_ATTENTION_BACKEND=torch|cpu|triton`
 overrides. Triton is imported only when chosen. `get_moe_backend` picks the MoE experts the same way
 (`MMSERVE_MOE_BACKEND=torch|triton`: triton on CUDA, the torch reference otherwise), and `get_w4a16_backend` the
-int4-weight linear layers' kernel (`MMSERVE_W4A16_BACKEND=torch|triton`, likewise)."""
+int4-weight linear layers' kernel (`MMSERVE_W4A16_BACKEND=torch|triton`, likewise), and
+`get_elementwise_ops` the decoder's fused elementwise steps (`MMSERVE_ELEMENTWISE_BACKEND=torch|cpu`: the C
+kernels on the CPU where they compile, the torch twins otherwise)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.kernels import cpu_attention, moe, quant, reference
+from mmserve.kernels import cpu_attention, cpu_fused, moe, quant, reference
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -62,7 +64,7 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
             raise ValueError(
                 "MMSERVE_ATTENTION_BACKEND=cpu, but the C kernel could not be built (see the log)"
             )
-        return AttentionBackend("cpu", reference.store_kv_cache, cpu_attention.paged_attention)
+        return AttentionBackend("cpu", cpu_fused.store_kv_cache, cpu_attention.paged_attention)
     return AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention)
 
 
@@ -130,3 +132,29 @@ def get_w4a16_backend(device: torch.device) -> W4A16Backend:
         _check_triton_kernels("MMSERVE_W4A16_BACKEND", device, triton_w4a16.CONSISTENT, triton_w4a16.INTERPRETED)
         return W4A16Backend("triton", triton_w4a16.w4a16_linear)
     return W4A16Backend("torch", quant.w4a16_linear)
+
+
+ELEMENTWISE_BACKENDS = ("torch", "cpu")
+
+
+@dataclass(frozen=True)
+class ElementwiseOps:
+    """The decoder's elementwise steps; each has reference.py's signature of the same name."""
+
+    name: str
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+    rotary_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+TORCH_ELEMENTWISE = ElementwiseOps("torch", reference.add_rms_norm, reference.silu_and_mul, reference.rotary_qk)
+
+
+def get_elementwise_ops(device: torch.device) -> ElementwiseOps:
+    on_cpu = torch.device(device).type == "cpu"
+    name = _chosen("MMSERVE_ELEMENTWISE_BACKEND", "cpu" if on_cpu and cpu_fused.load() else "torch", ELEMENTWISE_BACKENDS)
+    if name == "torch":
+        return TORCH_ELEMENTWISE
+    if not cpu_fused.load():
+        raise ValueError("MMSERVE_ELEMENTWISE_BACKEND=cpu, but the C kernels could not be built (see the log)")
+    return ElementwiseOps("cpu", cpu_fused.add_rms_norm, cpu_fused.silu_and_mul, cpu_fused.rotary_qk)

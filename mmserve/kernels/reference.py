@@ -8,6 +8,8 @@ them back in the query's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,7 @@ def paged_attention(
     seq_lens: list[int],
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    decodes: DecodeRows | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch over the paged cache (which already holds the new K/V).
 
@@ -57,13 +60,14 @@ def paged_attention(
     query_start_loc[i] : query_start_loc[i + 1]; those are the last tokens of its seq_lens[i]
     context tokens, so a decode has one row and a prefill chunk many.
     block_tables: [num_seqs, max_blocks_per_seq]. Returns [num_tokens, num_heads, head_dim].
-    kv_scales: [2, num_kv_heads] fp32, read by an FP8 cache only (None: ones). Decodes are batched in padded calls of similar lengths (see _length_buckets); prefill chunks go
-    one by one.
+    kv_scales: [2, num_kv_heads] fp32, read by an FP8 cache only (None: ones). `decodes`: the batch's
+    `decode_rows`, when the caller built them once for every layer (None: found here). Decodes are batched in
+    padded calls of similar lengths (see _length_buckets); prefill chunks go one by one.
     """
     out = torch.empty_like(query)
-    decodes = decode_seqs(query_start_loc)
-    for bucket in _length_buckets([seq_lens[i] for i in decodes]):
-        seqs = [decodes[j] for j in bucket]  # longest first
+    decode_idx = decode_seqs(query_start_loc) if decodes is None else decodes.seqs
+    for bucket in _length_buckets([seq_lens[i] for i in decode_idx]):
+        seqs = [decode_idx[j] for j in bucket]  # longest first
         rows = torch.tensor([query_start_loc[i] for i in seqs], device=query.device)
         lens = torch.tensor([seq_lens[i] for i in seqs], device=query.device)
         out[rows] = _decode_attention(
@@ -76,6 +80,30 @@ def paged_attention(
 def decode_seqs(query_start_loc: list[int]) -> list[int]:
     """The sequences of a varlen batch with exactly one query row."""
     return [i for i in range(len(query_start_loc) - 1) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A varlen batch's sequences with exactly one query row (its decodes), gathered once per step: the model
+    runner builds it beside the ForwardBatch so no layer's attention rebuilds it."""
+
+    seqs: list[int]  # [num_decodes] their indices among the batch's sequences
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, contiguous, on the batch's device
+    seq_lens: torch.Tensor  # [num_decodes] int64 on the host: context length after this step
+    rows: torch.Tensor  # [num_decodes] int64 on the host: each one's query row
+
+
+def decode_rows(block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int]) -> DecodeRows:
+    """The decodes of a batch whose sequence i owns query rows [query_start_loc[i], query_start_loc[i + 1])
+    and block_tables[i] ([num_seqs, max_blocks] int64)."""
+    seqs = decode_seqs(query_start_loc)
+    tables = block_tables if len(seqs) == len(seq_lens) else block_tables[seqs]
+    return DecodeRows(
+        seqs=seqs,
+        block_tables=tables.to(torch.int64).contiguous(),
+        seq_lens=torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int64),
+        rows=torch.tensor([query_start_loc[i] for i in seqs], dtype=torch.int64),
+    )
 
 
 def prefill_attention(
@@ -232,3 +260,59 @@ def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
         enable_gqa=True,
     )
     return out.transpose(0, 1)
+
+
+# The decoder's elementwise steps (`kernels/cpu_fused.py` fuses each into one C call with these signatures).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] -> RMSNorm(x) * weight, as transformers' Qwen2RMSNorm: other dtypes normalise in fp32
+    and round back before the weight; fp32 takes F.rms_norm (one fused op, the same steps up to rounding)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [rows, hidden] -> (RMSNorm(x + residual) * weight, x + residual); residual None:
+    (RMSNorm(x) * weight, x). Neither input is written."""
+    hidden = x if residual is None else x + residual
+    return rms_norm(hidden, weight, eps), hidden
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [rows, 2 * inter] (gate, then up) -> SiLU(gate) * up: [rows, inter]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_qk(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv: [num_tokens, >= (num_heads + num_kv_heads) * head_dim], q's heads then k's (v's may follow);
+    cos, sin: [num_tokens, 1, head_dim]. -> q [num_tokens, num_heads, head_dim], k [num_tokens,
+    num_kv_heads, head_dim]: each head RMSNorm-ed over head_dim first when the norm weights are given (Qwen3;
+    both or neither), then rotated (rotate-half, transformers' convention)."""
+    head_dim = cos.shape[-1]
+    heads = num_heads + num_kv_heads
+    qk = qkv[:, : heads * head_dim].reshape(-1, heads, head_dim)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("rotary_qk: give both q and k norm weights, or neither")
+    if q_norm_weight is not None and k_norm_weight is not None:
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        qk = torch.cat([rms_norm(q, q_norm_weight, eps), rms_norm(k, k_norm_weight, eps)], dim=1)
+    x1, x2 = qk.chunk(2, dim=-1)  # q and k rotate as one tensor: the same elementwise ops, half the calls
+    rotated = qk * cos + torch.cat((-x2, x1), dim=-1) * sin
+    q, k = rotated.split([num_heads, num_kv_heads], dim=1)
+    return q, k

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from mmserve.kernels import fp8
+from mmserve.kernels.reference import DecodeRows
 
 # Query-tile rows (tokens x heads of a KV group): the smallest `tl.dot` M for pure-decode launches, a larger
 # one when any sequence brings a chunk (fp32 on a GPU keeps the small one: its exact dots spill otherwise).
@@ -351,6 +352,7 @@ def paged_attention(
     seq_lens: list[int],
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    decodes: DecodeRows | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch over the paged cache (which already holds the new K/V).
 
@@ -358,7 +360,8 @@ def paged_attention(
     query_start_loc[i] : query_start_loc[i + 1], the last of its seq_lens[i] context tokens.
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int64.
     kv_scales: [2, num_kv_heads] fp32, read by an FP8 cache only (None: ones).
-    Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    Returns [num_tokens, num_heads, head_dim] in query's dtype. `decodes` (reference.paged_attention's
+    signature) is not read: the launch plan below covers decodes and prefill chunks in one grid.
     """
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
     return paged_attention_with(*args, kv_scales=kv_scales)

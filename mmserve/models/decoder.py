@@ -9,13 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
-from mmserve.kernels import fp8
+from mmserve.kernels import fp8, reference
 from mmserve.kernels.cpu_linear import LinearPaths
-from mmserve.kernels.dispatch import AttentionBackend
+from mmserve.kernels.dispatch import TORCH_ELEMENTWISE, AttentionBackend, ElementwiseOps
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
 from mmserve.models.moe import FusedMoE, SparseMoE
@@ -48,13 +47,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, the steps below up to rounding (1.7x faster at 64 rows)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight, as transformers' Qwen2RMSNorm does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class MRotaryEmbedding(nn.Module):
@@ -91,12 +84,6 @@ class MRotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; rotate-half convention (transformers')."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them with one rank)."""
 
@@ -120,6 +107,7 @@ class Attention(nn.Module):
         self.first_kv_head, self.num_kv_heads_total = first_kv, cfg.num_kv_heads
         self.register_buffer("kv_scales", torch.ones(2, self.num_kv_heads), persistent=False)
         self.calibrate_kv_scales = False  # set: the next forward over an FP8 cache sets kv_scales from its K/V
+        self.elementwise = TORCH_ELEMENTWISE  # Decoder.set_elementwise_ops
 
     def _apply(self, fn: object, recurse: bool = True) -> Attention:
         """nn.Module.to & co. move the scales but never lower their precision: they stay fp32."""
@@ -153,21 +141,20 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # [num_tokens, q + kv heads, head_dim]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k rotate as one tensor: the same elementwise ops, half the calls
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size], possibly a column-major view
+        q_norm, k_norm = self.q_norm, self.k_norm
+        norms = (None, None, 0.0) if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        # [num_tokens, heads, head_dim] each
+        q, k = self.elementwise.rotary_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norms)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.calibrate_kv_scales and fp8.is_fp8(kv_cache.dtype):
             self.kv_scales.copy_(fp8.calibrated_scales(k, v, kv_cache.dtype))
             self.calibrate_kv_scales = False
         self.backend.store_kv_cache(k, v, kv_cache, batch.slot_mapping, self.kv_scales)
         out = self.backend.paged_attention(
-            q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale, self.kv_scales
-        )
+            q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale, self.kv_scales,
+            batch.decodes,
+        )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -177,10 +164,10 @@ class MLP(nn.Module):
         half = split_evenly(intermediate_size, tp.rank, tp.world_size, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [half, half], bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, tp=tp)
+        self.elementwise = TORCH_ELEMENTWISE  # Decoder.set_elementwise_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.elementwise.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -198,17 +185,25 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             MLP(cfg.hidden_size, cfg.intermediate_size, tp) if fused_moe is None else SparseMoE(cfg, tp, fused_moe)
         )
+        self.elementwise = TORCH_ELEMENTWISE  # Decoder.set_elementwise_ops
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state entering the layer is x + residual (x alone when residual is None); returns the
+        (MLP output, residual) whose sum leaves it. The sums are taken by the norms that follow them (one
+        fused step), with transformers' rounding: residual + sublayer output, in the model's dtype."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        normed, residual = self.elementwise.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        attn_out = self.self_attn(normed, cos, sin, batch, kv_cache)
+        normed, residual = self.elementwise.add_rms_norm(attn_out, residual, norm2.weight, norm2.eps)
+        return self.mlp(normed), residual
 
 
 class Decoder(nn.Module):
@@ -237,6 +232,7 @@ class Decoder(nn.Module):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.elementwise = TORCH_ELEMENTWISE  # set_elementwise_ops
 
     def forward(
         self,
@@ -250,11 +246,12 @@ class Decoder(nn.Module):
         `_deepstack_process` does; a chunk adds the rows of the visual tokens it holds."""
         x = self.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(batch.positions, x.dtype)
+        residual: torch.Tensor | None = None  # the hidden state is x + residual (x alone while None)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, batch, kv_cache)
+            x, residual = layer(x, residual, cos, sin, batch, kv_cache)
             if deepstack is not None and i < deepstack.embeds.shape[0]:
-                x = x.index_add(0, deepstack.rows, deepstack.embeds[i])
-        return self.norm(x)
+                x, residual = (residual + x).index_add(0, deepstack.rows, deepstack.embeds[i]), None
+        return self.elementwise.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def linear_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(weight [out, in], bias or None) of every dense linear product of a forward, in order: what the
@@ -272,6 +269,12 @@ class Decoder(nn.Module):
         for m in self.modules():
             if hasattr(m, "linear_paths"):  # Linear and its parallel kinds, QuantizedLinear
                 m.linear_paths = paths
+
+    def set_elementwise_ops(self, ops: ElementwiseOps) -> None:
+        """Every layer's elementwise steps from now on take `ops`."""
+        for m in self.modules():
+            if hasattr(m, "elementwise"):  # Decoder, DecoderLayer, Attention, MLP
+                m.elementwise = ops
 
     def reset_kv_scales(self) -> None:
         """Every layer's FP8 KV cache scales to 1.0 (after `to_empty`, before a checkpoint sets its own)."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.kernels.reference import DecodeRows
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -20,6 +22,8 @@ class ForwardBatch:
     # Host-side copies, so kernels that loop over sequences never sync with the device.
     query_start_loc: list[int]  # [num_seqs + 1]: sequence i owns token rows [q[i], q[i + 1])
     seq_lens: list[int]  # [num_seqs]: context length after this step (cached + new tokens)
+    # The sequences with one query row, gathered once for every layer's attention (None: each finds them)
+    decodes: DecodeRows | None = None
 
     @property
     def num_tokens(self) -> int:
