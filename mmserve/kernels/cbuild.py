@@ -84,10 +84,11 @@ class CKernel:
             return function
 
     def _cache_key(self, compiler: str) -> str:
-        """Source, flags, compiler and the CPU's feature flags: a shared home directory on machines with
+        """Source (and the shared headers), flags, compiler and the CPU's feature flags: a shared home directory on machines with
         different CPUs must never load a library built for another one's instruction set."""
         digest = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), compiler.encode()):
+        headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources may include
+        for part in (self.source.read_bytes(), *headers, " ".join(CFLAGS + LDFLAGS).encode(), compiler.encode()):
             digest.update(part)
         digest.update(cpu_fingerprint().encode())
         return digest.hexdigest()[:16]

@@ -14,26 +14,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 #include <omp.h>
 
 #define MAX_HIDDEN 32768 /* one row's fp32 copy lives on the stack */
 #define MAX_HEAD_DIM 1024
 #define PARALLEL_ELEMENTS (1 << 16) /* fewer elements than this run on one thread: a fork costs more */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];

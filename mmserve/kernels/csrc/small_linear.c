@@ -13,6 +13,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#include "bf16.h"
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define HAVE_AVX512 1
@@ -21,21 +23,6 @@
 
 #define W_TILE 4 /* weight rows per tile */
 #define X_TILE 4 /* x rows per tile: W_TILE * X_TILE accumulators */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* dot products of weight rows w[o0 .. o0+nw) with x rows x[r0 .. r0+nx), nw, nx <= 4: acc[i][j] */
 #ifdef HAVE_AVX512
