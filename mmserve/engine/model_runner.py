@@ -36,7 +36,6 @@ from mmserve.kernels.dispatch import (
     get_moe_backend,
     get_w4a16_backend,
 )
-from mmserve.kernels.reference import decode_rows
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
@@ -420,6 +419,7 @@ class ModelRunner:
                 pos[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
         pos = pos.to(dev)
         tables = torch.tensor(block_tables, dtype=torch.long, device=dev)
+        build_decodes = self.backend.decode_rows  # None: this backend's attention does not read them
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos,
@@ -428,5 +428,5 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            decodes=decode_rows(tables, query_start_loc, seq_lens),
+            decodes=None if build_decodes is None else build_decodes(tables, query_start_loc, seq_lens),
         )

@@ -25,6 +25,9 @@ class AttentionBackend:
     name: str
     store_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # reference.decode_rows where paged_attention reads a step's DecodeRows (built once per step by the runner);
+    # None where it does not (triton plans decodes and chunks in one launch), so nothing builds them
+    decode_rows: Callable[..., reference.DecodeRows] | None = None
 
 
 def _chosen(variable: str, default: str, choices: tuple[str, ...]) -> str:
@@ -64,8 +67,8 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
             raise ValueError(
                 "MMSERVE_ATTENTION_BACKEND=cpu, but the C kernel could not be built (see the log)"
             )
-        return AttentionBackend("cpu", cpu_fused.store_kv_cache, cpu_attention.paged_attention)
-    return AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention)
+        return AttentionBackend("cpu", cpu_fused.store_kv_cache, cpu_attention.paged_attention, reference.decode_rows)
+    return AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention, reference.decode_rows)
 
 
 def default_backend(device: torch.device) -> str:
