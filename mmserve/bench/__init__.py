@@ -12,7 +12,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +103,25 @@ def _read(kind: Any, text: str) -> Any:
     if kind is float:
         return math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
     return kind(text)
+
+
+def num(value: float | None, spec: str = ".1f") -> str:
+    """`value` formatted by `spec`, or "n/a" for None (a figure a run could not measure)."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A text table: the first column left-aligned, the others right-aligned, each as wide as its widest cell
+    (cells are shown by `str`; format numbers with `num` first)."""
+    cells = [[str(c) for c in row] for row in (header, *rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+                     for row in cells)  # fmt: skip
+
+
+def summary(rows: Iterable[tuple[str, Any]]) -> str:
+    """vLLM's summary layout: each label in 40 columns, its value right-aligned in the next 12 (or more)."""
+    return "\n".join(f"{label:<40}{value!s:>12}" for label, value in rows)
 
 
 def token_range(text: str) -> tuple[int, int]:
