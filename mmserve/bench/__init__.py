@@ -22,15 +22,15 @@ if TYPE_CHECKING:
 
 def knob(default: Any, help: str = "", *, flag: str | tuple[str, ...] | None = None,
          parse: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None, repeat: bool = False,
-         words: bool = False, option: str = "own") -> Any:
+         words: bool = False, option: str = "own", low: float | None = None) -> Any:
     """A config field that is one command-line option: `--field-name` (or `flag`, or several: aliases), `help`;
     the value read by `parse`, else by the field's type (a tuple: comma-separated items; a bool: --x / --no-x).
     `repeat`: the option may be given again, each adding one item; `words`: the items follow the option as
     separate words. `option`: "own" (this config makes the option), "shared" (another config or module makes an
     option of the same dest; its value, or None, reads into this field too) or "none" (not an option: the
-    default always)."""
+    default always). `choices` and `low` (the least value) are checked by `BenchConfig` and its options."""
     meta = {"help": help, "flag": flag, "parse": parse, "choices": choices, "repeat": repeat, "words": words,
-            "option": option}  # fmt: skip
+            "option": option, "low": low}  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -56,10 +56,10 @@ def add_config_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
             continue
         flags = _flags(f)
         shown = f" (default: {','.join(map(str, default)) if isinstance(default, tuple) else default})"
-        shown = "" if default is None or default == () else shown
+        shown = "" if default in (None, (), "") else shown
         help_text = (meta.get("help") or "") + shown
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
-        if meta.get("choices"):
+        if meta.get("choices") and not isinstance(default, tuple):  # a tuple's items are checked by BenchConfig
             kwargs["choices"] = meta["choices"]
         if isinstance(default, bool):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, **kwargs)
@@ -130,6 +130,23 @@ def token_range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
+class BenchConfig:
+    """Base of the bench configs (frozen dataclasses): at construction every field with `choices` (a word, or
+    each item of a tuple, which must then not be empty) and `low` (the least value; of each item of a tuple) is
+    checked, so a config built in code is refused as its options would be."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value, choices, low = getattr(self, f.name), f.metadata.get("choices"), f.metadata.get("low")
+            if value is None:  # an optional field left to its default
+                continue
+            items = value if isinstance(value, tuple) else (value,)
+            if choices and (not items or any(v not in choices for v in items)):
+                raise ValueError(f"{f.name}: choose from {', '.join(choices)} (got {', '.join(map(str, items)) or 'none'})")
+            if low is not None and any(v is not None and v < low for v in items):
+                raise ValueError(f"{f.name} must be >= {low}, got {value}")
+
+
 # Systems `mmserve bench throughput` compares (torch-free here so the CLI can list them cheaply).
 SYSTEMS = ("mmserve", "mmserve-no-chunk", "mmserve-static", "mmserve-structured", "hf-static", "hf-cb")
 WORKLOADS = ("random", "random-mm", "prefix", "long-video")
@@ -137,57 +154,44 @@ ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")  # vllm-router's, a
 
 
 @dataclass(frozen=True)
-class RouterBenchConfig:
-    """`mmserve bench router`: each field is one command-line option (`--num-families`...) and a key of the
-    report's `config`."""
+class RouterBenchConfig(BenchConfig):
+    """`mmserve bench router`."""
 
-    policies: tuple[str, ...] = ROUTER_POLICIES  # vllm-router policies, side by side over the same replicas
-    media: tuple[str, ...] = ("image", "none")  # image: a family shares an image and a system prompt; none: the prompt
-    num_replicas: int = 2
-    num_families: int = 4
-    requests_per_family: int = 12
-    concurrency: int = 4  # requests in flight through the router (closed loop)
-    system_len: int = 96  # tokens of each family's system prompt (about)
-    user_len: int = 48  # tokens of each request's own text (about)
+    policies: tuple[str, ...] = knob(ROUTER_POLICIES, "vllm-router policies, side by side over the same replicas",
+                                     choices=ROUTER_POLICIES)  # fmt: skip
+    media: tuple[str, ...] = knob(("image", "none"), "image: a family shares an image and a system prompt; none: "
+                                  "the system prompt only", choices=("image", "none"))  # fmt: skip
+    num_replicas: int = knob(2, low=1)
+    num_families: int = knob(4, low=1)
+    requests_per_family: int = knob(12, low=1)
+    concurrency: int = knob(4, "requests in flight through the router (closed loop)", low=1)
+    system_len: int = knob(96, "tokens of each family's system prompt (about)")
+    user_len: int = knob(48, "tokens of each request's own text (about)")
     output_len: int = 16
     image_size: int = 64
-    num_kv_blocks: int = 1024  # per replica: enough that nothing is evicted in a run
+    num_kv_blocks: int = knob(1024, "per replica: enough that nothing is evicted in a run")
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        unknown = [p for p in self.policies if p not in ROUTER_POLICIES] + [m for m in self.media if m not in ("image", "none")]
-        if unknown:
-            raise ValueError(f"unknown policy or media: {', '.join(unknown)}")
-        if min(self.num_replicas, self.num_families, self.requests_per_family, self.concurrency) < 1:
-            raise ValueError("num_replicas, num_families, requests_per_family and concurrency must be >= 1")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # as config.KV_CACHE_DTYPE_NAMES ("fp8" is fp8_e4m3)
 
 
 @dataclass(frozen=True)
-class KVCacheBenchConfig:
-    """`mmserve bench kv-cache`: each field is one command-line option and a key of the report's `config`."""
+class KVCacheBenchConfig(BenchConfig):
+    """`mmserve bench kv-cache`."""
 
-    kv_cache_dtypes: tuple[str, ...] = KV_CACHE_DTYPES  # side by side; the first is the accuracy reference
-    dtype: str = "float32"  # the compute dtype of every engine
-    kv_cache_tokens: int = 2048  # the pool's memory: this many tokens in the compute dtype
-    num_requests: int = 48  # the capacity batch, all submitted at once
-    prompt_len: int = 96  # tokens (about)
-    output_len: int = 64  # forced (ignore_eos)
-    accuracy_prompts: int = 24
-    accuracy_tokens: int = 24  # greedy tokens compared per prompt
+    kv_cache_dtypes: tuple[str, ...] = knob(KV_CACHE_DTYPES, "side by side; the first is the accuracy reference",
+                                            choices=KV_CACHE_DTYPES)  # fmt: skip
+    dtype: str = knob("float32", "the compute dtype of every engine")
+    kv_cache_tokens: int = knob(2048, "the pool's memory: this many tokens in the compute dtype", low=1)
+    num_requests: int = knob(48, "the capacity batch, all submitted at once", low=1)
+    prompt_len: int = knob(96, "tokens (about)", low=1)
+    output_len: int = knob(64, "forced (ignore_eos)", low=1)
+    accuracy_prompts: int = knob(24, low=1)
+    accuracy_tokens: int = knob(24, "greedy tokens compared per prompt", low=1)
     calculate_kv_scales: bool = False
-    repeats: int = 2  # timed batches per dtype, interleaved across dtypes; the median counts
+    repeats: int = knob(2, "timed batches per dtype, interleaved across dtypes; the median counts", low=1)
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        unknown = [d for d in self.kv_cache_dtypes if d not in KV_CACHE_DTYPES]
-        if unknown or not self.kv_cache_dtypes:
-            raise ValueError(f"kv_cache_dtypes: choose from {', '.join(KV_CACHE_DTYPES)} (got {unknown or 'none'})")
-        if min(self.kv_cache_tokens, self.num_requests, self.prompt_len, self.output_len, self.accuracy_prompts,
-               self.accuracy_tokens, self.repeats) < 1:  # fmt: skip
-            raise ValueError("token counts and request counts must be >= 1")
 
 
 MEDIA_SOURCES = ("data-url", "upload")
@@ -195,7 +199,7 @@ TRANSPORTS = ("ws", "http")
 
 
 @dataclass(frozen=True)
-class ServeBenchConfig:
+class ServeBenchConfig(BenchConfig):
     """`mmserve bench serve` (every workload but slo-mix, which has `MixConfig`)."""
 
     url: str | None = knob(None, "a running server; default: start one on --model")
@@ -204,7 +208,7 @@ class ServeBenchConfig:
         "(default: --url)", repeat=True)  # fmt: skip
     transports: tuple[str, ...] = knob(
         ("ws",), "ws, http or ws,http (each its own draw of the workload: none finds another's prompts cached)",
-        flag="--transport")  # fmt: skip
+        flag="--transport", choices=TRANSPORTS)  # fmt: skip
     workload: str = knob(
         "random", "prefix: every prompt starts with the same --num-images images and --prefix-len tokens of "
         "text; request 0 is sent alone and the rest wait for its first token (or its end), so it is a cold "
@@ -245,24 +249,17 @@ class ServeBenchConfig:
         (), "another OpenAI-compatible server, NAME=URL (or URL): the same requests over HTTP in the same report, "
         "interleaved with mmserve round by round; repeat for more", repeat=True)  # fmt: skip
     repeats: int = knob(1, "rounds of every server and transport in turn, each on a fresh draw of the workload; "
-                        "each key's figures are its median round's")  # fmt: skip
+                        "each key's figures are its median round's", low=1)  # fmt: skip
     offline: bool = knob(False, "also run the same requests through the offline LLM.chat (same engine settings) "
                          "and report each transport's throughput over it")  # fmt: skip
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.transports or set(self.transports) - set(TRANSPORTS):
-            raise ValueError(f"--transport: choose from {', '.join(TRANSPORTS)}")
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {self.workload!r}; choose from {WORKLOADS}")
-        if self.media_source not in MEDIA_SOURCES:
-            raise ValueError(f"unknown media source {self.media_source!r}; choose from {MEDIA_SOURCES}")
-        if self.compare_no_chunk and (self.url is not None or self.workload != "long-video"):
-            raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url)")
-        if self.repeats < 1:
-            raise ValueError("--repeats must be >= 1")
-        if self.peer and self.compare_no_chunk:
-            raise ValueError("--peer and --compare-no-chunk do not go together")
+        super().__post_init__()
+        if self.workload not in WORKLOADS:  # slo-mix is an option value only: the CLI runs it with MixConfig
+            raise ValueError(f"workload: choose from {', '.join(WORKLOADS)} (got {self.workload})")
+        if self.compare_no_chunk and (self.url is not None or self.workload != "long-video" or self.peer):
+            raise ValueError("--compare-no-chunk is for --workload long-video on servers it starts (no --url, no --peer)")
         starts = self.url is None and self.server_process
         if (self.api_server_count != 1 or not self.engine_process) and not starts:
             raise ValueError("--api-server-count and --no-engine-process are for the server --server-process starts")
@@ -278,8 +275,7 @@ class ServeBenchConfig:
                                    video_size=self.video_size or (224 if long_video else 112))  # fmt: skip
 
     def quick(self) -> ServeBenchConfig:
-        """`--quick`: 8 short requests (small enough to finish in well under a minute on the tiny model on 2 CPU
-        cores); long-video's texts long enough to outlast two small videos."""
+        """8 short requests (long-video: texts long enough to outlast two small videos): a smoke run"""
         cfg = self.resolved()
         quick = dataclasses.replace(cfg, num_prompts=8, input_len=(8, 32), output_len=(4, 16),
                                     prefix_len=min(cfg.prefix_len, 128), video_interval_s=0.2)  # fmt: skip
@@ -290,10 +286,10 @@ class ServeBenchConfig:
 
 
 @dataclass(frozen=True)
-class ThroughputBenchConfig:
+class ThroughputBenchConfig(BenchConfig):
     """`mmserve bench throughput`: every system offline on the same requests."""
 
-    systems: tuple[str, ...] = knob(("mmserve", "hf-static"), "comma-separated: " + ",".join(SYSTEMS))
+    systems: tuple[str, ...] = knob(("mmserve", "hf-static"), "comma-separated", choices=SYSTEMS)
     workload: str = knob("random", choices=WORKLOADS)
     num_prompts: int = 64
     input_len: tuple[int, int] = knob((16, 128), "MIN-MAX prompt tokens", parse=token_range)
@@ -305,7 +301,7 @@ class ThroughputBenchConfig:
     encoder_token_cost: float = knob(0.0, "budget tokens each encoded embedding token takes (mmserve systems)")
     hf_batch_size: int = 16
     seed: int = 0
-    repeats: int = knob(1, "run every system this many times, round-robin; each reports its median run")
+    repeats: int = knob(1, "run every system this many times, round-robin; each reports its median run", low=1)
     num_images: int = knob(1, "random-mm: images per prompt")
     image_size: int = knob(64, "random-mm: image side in pixels")
     num_frames: int | None = knob(None, "random-mm: frames of one video per prompt (default 0: none); "
@@ -319,12 +315,7 @@ class ThroughputBenchConfig:
                             "per-step cost)")  # fmt: skip
 
     def __post_init__(self) -> None:
-        if set(self.systems) - set(SYSTEMS) or not self.systems:
-            raise ValueError(f"unknown systems {sorted(set(self.systems) - set(SYSTEMS))}; choose from {SYSTEMS}")
-        if self.workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {self.workload!r}; choose from {WORKLOADS}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        super().__post_init__()
         if self.workload in ("random-mm", "long-video") and "hf-cb" in self.systems:
             raise ValueError("hf-cb runs text workloads only (random, prefix)")
 
@@ -344,7 +335,7 @@ class ThroughputBenchConfig:
         )  # fmt: skip
 
     def quick(self) -> ThroughputBenchConfig:
-        """`--quick`: 16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32)."""
+        """16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32): a smoke run"""
         cfg = dataclasses.replace(self.resolved(), num_prompts=16, input_len=(8, 32), output_len=(4, 32),
                                   prefix_len=min(self.prefix_len, 128))  # fmt: skip
         if self.workload != "long-video":
@@ -356,29 +347,25 @@ class ThroughputBenchConfig:
 
 
 @dataclass(frozen=True)
-class TensorParallelBenchConfig:
+class TensorParallelBenchConfig(BenchConfig):
     """`mmserve bench tensor-parallel`: what one run measures. Every (round, concurrency) draws fresh prompts
     that every TP size gets."""
 
-    tensor_parallel_sizes: tuple[int, ...] = knob((1, 2), "every engine is built once")
-    concurrency: tuple[int, ...] = knob((1, 16, 64), "requests decoding together")
-    input_len: int = knob(32, "prompt tokens of every request")
-    output_len: int = knob(128, "max_tokens (ignore_eos): output-len - 1 decode steps a run")
-    rounds: int = knob(3, "each round runs every concurrency on every TP size, in turn")
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
+    tensor_parallel_sizes: tuple[int, ...] = knob((1, 2), "every engine is built once", low=1)
+    concurrency: tuple[int, ...] = knob((1, 16, 64), "requests decoding together", low=1)
+    input_len: int = knob(32, "prompt tokens of every request", low=1)
+    output_len: int = knob(128, "max_tokens (ignore_eos): output-len - 1 decode steps a run", low=2)
+    rounds: int = knob(3, "each round runs every concurrency on every TP size, in turn", low=1)
+    max_num_batched_tokens: int = knob(2048, low=1)
+    block_size: int = knob(16, low=1)
     seed: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("tensor_parallel_sizes", "concurrency"):
             values = getattr(self, name)
-            if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+            if not values or len(set(values)) != len(values):
                 raise ValueError(f"{name}: distinct integers >= 1, got {list(values)}")
-        for name in ("input_len", "rounds", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.output_len < 2:
-            raise ValueError(f"output_len must be >= 2 (a run needs a decode step), got {self.output_len}")
 
     @property
     def num_kv_blocks(self) -> int:
@@ -388,25 +375,26 @@ class TensorParallelBenchConfig:
 
 
 @dataclass(frozen=True)
-class LongVideoBenchConfig:
+class LongVideoBenchConfig(BenchConfig):
     """`mmserve bench long-video`: text requests decode while one long video prefills."""
 
-    num_decodes: int = 16
-    num_frames: int = 64
-    frame_size: int = 224
+    num_decodes: int = knob(16, low=1)
+    num_frames: int = knob(64, low=1)
+    frame_size: int = knob(224, low=1)
     max_num_batched_tokens: int = 512
     max_num_encoder_tokens: int = 128
     max_step_ms: tuple[float, ...] = knob((250.0,), "step-time targets, one chunked run each (0: fixed token "
-                                          "budgets)")  # fmt: skip
+                                          "budgets)", low=0.0)  # fmt: skip
     whole: bool = knob(True, "also run with the video encoded whole (--no-whole: skip it)")
     dtype: str | None = knob(None, choices=("float32", "bfloat16", "float16"))
 
     def __post_init__(self) -> None:
-        if not self.max_step_ms or min(self.num_decodes, self.num_frames, self.frame_size) < 1:
-            raise ValueError("long-video needs a step-time target and positive sizes")
+        super().__post_init__()
+        if not self.max_step_ms:
+            raise ValueError("max_step_ms: long-video needs a step-time target (0: fixed token budgets)")
 
     def quick(self) -> LongVideoBenchConfig:
-        """`--quick`: 4 decodes, a 16-frame 112x112 video, budgets 64/32."""
+        """4 decodes, a 16-frame 112x112 video, budgets 64/32: a smoke run"""
         return dataclasses.replace(self, num_decodes=4, num_frames=16, frame_size=112, max_num_batched_tokens=64,
                                    max_num_encoder_tokens=32)  # fmt: skip
 
@@ -419,7 +407,7 @@ def _zero_none(value: float | str) -> float | None:
 
 
 @dataclass(frozen=True)
-class MixConfig:
+class MixConfig(BenchConfig):
     """`mmserve bench serve --workload slo-mix`: one run. Loads are chat arrival rates (req/s); each load runs
     `duration_s` of chats over a fresh backlog of `num_batch` batch jobs sent at its start. The request shapes
     are not options; the engine sizes and the slo planner's settings are `bench serve`'s and `serve`'s options."""
@@ -428,7 +416,7 @@ class MixConfig:
     duration_s: float = knob(20.0, "seconds of chats per load")
     num_batch: int = knob(6, "batch jobs per load, cycling text, multi-image, video (with --sweep: a backlog of "
                           "about half a phase's compute, measured)")  # fmt: skip
-    policies: tuple[str, ...] = knob(SLO_POLICIES, "comma-separated")
+    policies: tuple[str, ...] = knob(SLO_POLICIES, "comma-separated", choices=SLO_POLICIES)
     ttft_ms: float = knob(1000.0, "interactive TTFT target: the server's class default and the attainment bar "
                           "(with --sweep: from a measurement at start)", flag="--slo-ttft-ms")  # fmt: skip
     tbt_ms: float = knob(100.0, "interactive TBT target, judged on TPOT (with --sweep: measured)",
@@ -456,10 +444,9 @@ class MixConfig:
     batch_min_share: float = knob(0.1, option="shared")  # the slo policy's share of each step kept for batch work
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.loads or any(not (x > 0 and math.isfinite(x)) for x in self.loads):
             raise ValueError("slo-mix: loads must be positive finite chat rates (req/s)")
-        if set(self.policies) - set(SLO_POLICIES) or not self.policies:
-            raise ValueError(f"slo-mix: policies must be among {SLO_POLICIES}")
 
     def engine_kwargs(self, policy: str) -> dict[str, Any]:
         """The in-process server's `EngineArgs` fields for `policy` (the others ignore the slo-only ones)."""
@@ -545,7 +532,7 @@ class ProfileBenchConfig:
         return dataclasses.replace(self, chunked_len=max(self.chunked_len, 2 * self.max_num_batched_tokens))
 
     def quick(self) -> ProfileBenchConfig:
-        """`--quick`: a few small shapes (a smoke run)."""
+        """a few small shapes: a smoke run"""
         return dataclasses.replace(
             self, batch_sizes=(1, 4), prompt_lens=(8, 32), decode_steps=3, chunked_len=96, image_sizes=(56, 112),
             video_frames=(4,), video_size=56, max_num_batched_tokens=64, repeats=1,
@@ -565,31 +552,21 @@ COMPUTE_PATHS = ("dequantized", "native")
 
 
 @dataclass(frozen=True)
-class QuantizationBenchConfig:
-    """`mmserve bench quantization`: each field is one command-line option and a key of the report's `config`."""
+class QuantizationBenchConfig(BenchConfig):
+    """`mmserve bench quantization`."""
 
-    formats: tuple[str, ...] = BENCH_FORMATS
-    paths: tuple[str, ...] = COMPUTE_PATHS
-    dtype: str = "bfloat16"  # the compute dtype of every engine, the dense reference's included
-    group_size: int = 128  # the int4 formats' group (w4a16, w4a16-asym, awq)
-    accuracy_prompts: int = 16
-    accuracy_tokens: int = 16  # greedy tokens compared per prompt
-    prompt_len: int = 64  # tokens of each accuracy and decode prompt
-    prefill_prompts: int = 4
-    prefill_len: int = 512  # tokens of each prefill prompt (one output token)
-    decode_batch: int = 16  # sequences decoding together
-    decode_tokens: int = 32  # tokens each decodes (ignore_eos)
-    repeats: int = 3  # timed runs of each measurement; the median counts
+    formats: tuple[str, ...] = knob(BENCH_FORMATS, choices=BENCH_FORMATS)
+    paths: tuple[str, ...] = knob(COMPUTE_PATHS, choices=COMPUTE_PATHS)
+    dtype: str = knob("bfloat16", "the compute dtype of every engine, the dense reference's included",
+                      choices=("float32", "bfloat16", "float16"))  # fmt: skip
+    group_size: int = knob(128, "the int4 formats' group (w4a16, w4a16-asym, awq)", low=1)
+    accuracy_prompts: int = knob(16, low=1)
+    accuracy_tokens: int = knob(16, "greedy tokens compared per prompt", low=1)
+    prompt_len: int = knob(64, "tokens of each accuracy and decode prompt", low=1)
+    prefill_prompts: int = knob(4, low=1)
+    prefill_len: int = knob(512, "tokens of each prefill prompt (one output token)", low=1)
+    decode_batch: int = knob(16, "sequences decoding together", low=1)
+    decode_tokens: int = knob(32, "tokens each decodes (ignore_eos)", low=1)
+    repeats: int = knob(3, "timed runs of each measurement; the median counts", low=1)
     seed: int = 0
-    workdir: str = ""  # where the quantized checkpoints go ("": a temporary directory)
-
-    def __post_init__(self) -> None:
-        unknown = [f for f in self.formats if f not in BENCH_FORMATS] + [p for p in self.paths if p not in COMPUTE_PATHS]
-        if unknown or not self.formats or not self.paths:
-            raise ValueError(f"formats: choose from {', '.join(BENCH_FORMATS)}; paths from {', '.join(COMPUTE_PATHS)} "
-                             f"(got {unknown or 'none'})")  # fmt: skip
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if min(self.accuracy_prompts, self.accuracy_tokens, self.prompt_len, self.prefill_prompts, self.prefill_len,
-               self.decode_batch, self.decode_tokens, self.repeats, self.group_size) < 1:  # fmt: skip
-            raise ValueError("token counts, prompt counts, repeats and group_size must be >= 1")
+    workdir: str = knob("", "where the quantized checkpoints go (default: a temporary directory)")

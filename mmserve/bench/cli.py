@@ -41,15 +41,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = bench.add_subparsers(dest="bench_command", required=True)
     _command(b, "throughput", "offline throughput of mmserve and transformers on the same requests",
              ThroughputBenchConfig, "checkpoint directory (default: the bench preset, generated into ~/.cache/mmserve)",
-             quick="16 short requests (long-video: 8 decodes, two 16-frame 112x112 videos, budgets 64/32): a smoke run",
              plot="write throughput bar PNGs here, and for long-video the step timelines (needs matplotlib)")
     _command(b, "long-video", "step times while a long video joins running decodes", LongVideoBenchConfig,
-             f"a Qwen2-VL checkpoint {_PRESET}", quick="4 decodes, a 16-frame 112x112 video, budgets 64/32: a smoke run",
-             plot="write the step timeline PNG here (needs matplotlib)")
+             f"a Qwen2-VL checkpoint {_PRESET}", plot="write the step timeline PNG here (needs matplotlib)")
     serve = _command(b, "serve", "online serving benchmark over the WebSocket chat and/or the OpenAI SSE route",
                      ServeBenchConfig, "checkpoint for the in-process server and the prompt tokenizer " + _PRESET,
-                     quick="8 short requests: a smoke run", plot="write latency CDF PNGs here (needs matplotlib)",
-                     progress=True)
+                     plot="write latency CDF PNGs here (needs matplotlib)", progress=True)
     serve.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"))
     g = serve.add_argument_group("--workload slo-mix (fcfs, priority and slo side by side, in-process servers)")
     add_config_options(g, MixConfig)
@@ -60,7 +57,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_slo_planner_flags(g)
     profile = _command(b, "profile", "calibrate the slo policy's step-time model on the model (JSON)",
                        ProfileBenchConfig, "checkpoint directory " + _PRESET,
-                       json_help="write every sample and the fit's error here", quick="a few small shapes: a smoke run")
+                       json_help="write every sample and the fit's error here")
     profile.add_argument("--out", type=Path, default=Path("step_time.json"),
                          help="the fitted model (--step-time-model)")
     tp = _command(b, "tensor-parallel", "decode step time and collective bytes per step at TP sizes side by side",
@@ -81,16 +78,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _command(bench_sub: argparse._SubParsersAction, name: str, help: str, config: type, model_help: str, *,
-             json_help: str | None = _JSON, quick: str | None = None, plot: str | None = None,
+             json_help: str | None = _JSON, plot: str | None = None,
              progress: bool = False) -> argparse.ArgumentParser:  # fmt: skip
-    """A sub-command: --model, the config's options, then the shared ones asked for (each with its help)."""
+    """A sub-command: --model, the config's options, then the shared ones asked for (each with its help);
+    --quick where the config has a `quick()` (its docstring is the option's help)."""
     p = bench_sub.add_parser(name, help=help)
     p.add_argument("--model", type=Path, default=None, help=model_help)
     add_config_options(p, config)
     if json_help is not None:
         p.add_argument("--json", type=Path, default=None, help=json_help)
-    if quick is not None:
-        p.add_argument("--quick", action="store_true", help=quick)
+    if hasattr(config, "quick"):
+        p.add_argument("--quick", action="store_true", help=config.quick.__doc__)
     if plot is not None:
         p.add_argument("--plot", type=Path, default=None, help=plot)
     if progress:
