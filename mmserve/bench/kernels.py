@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmserve.bench import KernelsBenchConfig, config_from_options
+from mmserve.bench import KernelsBenchConfig, config_from_options, num, table
 
 
 @dataclass(frozen=True)
@@ -67,25 +67,16 @@ class Case:
     seq_lens: list[int]
     num_decodes: int
     decode_kv: tuple[torch.Tensor, torch.Tensor] | None  # [num_decodes, num_kv_heads, context, head_dim] each
-    chunk_kv: list[
-        tuple[torch.Tensor, torch.Tensor]
-    ]  # per chunk [1, num_heads, seq_len, head_dim] (heads expanded)
+    chunk_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per chunk [1, num_heads, seq_len, head_dim] (heads expanded)
 
 
-def build_case(
-    chunks: Sequence[tuple[int, int]],
-    num_decodes: int,
-    decode_context: int,
-    shape: Shape,
-    device: torch.device,
-) -> Case:
+def build_case(chunks: Sequence[tuple[int, int]], num_decodes: int, decode_context: int, shape: Shape,
+               device: torch.device) -> Case:  # fmt: skip
     seqs = [(decode_context - 1, 1)] * num_decodes + list(chunks)
     bs = shape.block_size
     blocks_per_seq = [-(-(c + n) // bs) for c, n in seqs]
     num_blocks = sum(blocks_per_seq)
-    kv_cache = torch.randn(
-        2, num_blocks, bs, shape.num_kv_heads, shape.head_dim, device=device, dtype=shape.dtype
-    )
+    kv_cache = torch.randn(2, num_blocks, bs, shape.num_kv_heads, shape.head_dim, device=device, dtype=shape.dtype)
     perm = torch.randperm(num_blocks, device=device)  # scattered physical blocks, as after many steps
     width = max(blocks_per_seq)
     block_tables = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
@@ -97,9 +88,7 @@ def build_case(
     for cached, new in seqs:
         query_start_loc.append(query_start_loc[-1] + new)
         seq_lens.append(cached + new)
-    query = torch.randn(
-        query_start_loc[-1], shape.num_heads, shape.head_dim, device=device, dtype=shape.dtype
-    )
+    query = torch.randn(query_start_loc[-1], shape.num_heads, shape.head_dim, device=device, dtype=shape.dtype)
 
     def gather(i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequences i..i+n-1 (same length): K, V as [n, num_kv_heads, seq_len, head_dim], contiguous."""
@@ -137,9 +126,7 @@ def sdpa_baseline(case: Case, scale: float) -> Callable[[], torch.Tensor]:
         out = torch.empty_like(case.query)
         if case.decode_kv is not None:
             k, v = case.decode_kv
-            q = case.query[:b].view(
-                b, k.shape[1], num_heads // k.shape[1], head_dim
-            )  # [b, kv_heads, group, D]
+            q = case.query[:b].view(b, k.shape[1], num_heads // k.shape[1], head_dim)  # [b, kv_heads, group, D]
             out[:b] = F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(b, num_heads, head_dim)
         for j, ((k, v), mask) in enumerate(zip(case.chunk_kv, masks, strict=True)):
             lo, hi = case.query_start_loc[b + j], case.query_start_loc[b + j + 1]
@@ -160,17 +147,16 @@ def cuda_ms(fn: Callable[[], object]) -> float:
 
 def cpu_ms(fn: Callable[[], object], repeats: int = 3) -> float:
     """Smoke mode only: wall-clock median."""
+    fn()  # warm-up
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times[1:])
+    return statistics.median(times)
 
 
-def copy_bandwidth(
-    device: torch.device, timer: Callable[[Callable[[], object]], float], nbytes: int
-) -> float:
+def copy_bandwidth(device: torch.device, timer: Callable[[Callable[[], object]], float], nbytes: int) -> float:
     """Bytes/s of one large device-to-device copy, counting the read and the write."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -185,28 +171,14 @@ def measure(
 
     scale = shape.head_dim**-0.5
     args = (case.query, case.kv_cache, case.block_tables, case.query_start_loc, case.seq_lens, scale)
-    triton_out = triton_attention.paged_attention(*args)
     baseline = sdpa_baseline(case, scale)
-    diff = (triton_out.float() - baseline().float()).abs().max().item()
-    triton_ms = timer(lambda: triton_attention.paged_attention(*args))
-    sdpa_ms = timer(baseline)
+    diff = (triton_attention.paged_attention(*args).float() - baseline().float()).abs().max().item()
+    triton_ms, sdpa_ms = timer(lambda: triton_attention.paged_attention(*args)), timer(baseline)
     plan = triton_attention.launch_plan(case.query, case.kv_cache, case.query_start_loc, case.seq_lens)
     kv_bytes = sum(case.seq_lens) * 2 * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
     rate = kv_bytes / (triton_ms * 1e-3)
-    return Result(
-        name=name,
-        num_seqs=len(case.seq_lens),
-        num_tokens=case.query.shape[0],
-        max_context=max(case.seq_lens),
-        num_splits=plan.num_splits,
-        triton_ms=triton_ms,
-        sdpa_ms=sdpa_ms,
-        kv_bytes=kv_bytes,
-        triton_bytes_per_s=rate,
-        fraction_of_copy=rate / copy_bw,
-        speedup_vs_sdpa=sdpa_ms / triton_ms,
-        max_abs_diff=diff,
-    )
+    return Result(name, len(case.seq_lens), case.query.shape[0], max(case.seq_lens), plan.num_splits, triton_ms,
+                  sdpa_ms, kv_bytes, rate, rate / copy_bw, sdpa_ms / triton_ms, diff)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,8 +196,7 @@ def bench_kernels(cfg: KernelsBenchConfig, json_path: Path | None = None) -> int
         # Must precede the first `import triton` (the kernels are imported lazily below).
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, timer, copy_bytes = torch.device("cpu"), cpu_ms, 1 << 24
-        shape = Shape(4, 2, 16, 16, torch.float32)
-        batches, contexts = (1, 2), (64,)
+        shape, batches, contexts = Shape(4, 2, 16, 16, torch.float32), (1, 2), (64,)
         mixed = {"chunk 20 @30 + 2 decodes @40": ([(30, 20)], (2, 40))}
     elif torch.cuda.is_available():
         device, timer, copy_bytes = torch.device("cuda"), cuda_ms, 1 << 30
@@ -233,53 +204,32 @@ def bench_kernels(cfg: KernelsBenchConfig, json_path: Path | None = None) -> int
     else:
         print("mmserve.bench.kernels needs a CUDA device (or --smoke to check the script on the CPU)")
         return 2
-
     copy_bw = copy_bandwidth(device, timer, copy_bytes)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter smoke run)"
     print(f"device: {name}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
-    dtype_name = str(shape.dtype).removeprefix("torch.")
-    print(
-        f"shape: {shape.num_heads} q heads / {shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, "
-        f"block {shape.block_size}, {dtype_name}"
-    )
-    header = f"{'case':<44} {'splits':>6} {'triton ms':>10} {'sdpa ms':>9} {'GB/s':>7} {'of copy':>8} {'vs sdpa':>8} {'max|d|':>8}"
-    print(header)
-    results: list[Result] = []
+    print(f"shape: {shape.num_heads} q heads / {shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, "
+          f"block {shape.block_size}, {str(shape.dtype).removeprefix('torch.')}")  # fmt: skip
     cases = [(f"decode b={b} ctx={c}", [], (b, c)) for c in contexts for b in batches]
     cases += [(f"mixed: {n}", chunks, decodes) for n, (chunks, decodes) in mixed.items()]
+    results: list[Result] = []
     for case_name, chunks, (num_decodes, context) in cases:
-        case = build_case(chunks, num_decodes, context, shape, device)
-        r = measure(case_name, case, shape, copy_bw, timer)
-        del case
+        results.append(measure(case_name, build_case(chunks, num_decodes, context, shape, device), shape, copy_bw, timer))
         if device.type == "cuda":
-            torch.cuda.empty_cache()
-        results.append(r)
-        print(
-            f"{r.name:<44} {r.num_splits:>6} {r.triton_ms:>10.4f} {r.sdpa_ms:>9.4f} "
-            f"{r.triton_bytes_per_s / 1e9:>7.0f} {r.fraction_of_copy:>7.0%} {r.speedup_vs_sdpa:>7.2f}x "
-            f"{r.max_abs_diff:>8.1e}"
-        )
-    goal = next(
-        (r for r in results if r.name == f"decode b={GOAL_BATCH} ctx={GOAL_CONTEXT}"),
-        None,
-    )
+            torch.cuda.empty_cache()  # the case's cache and tensors are gone: the next case has the memory
+    print(table(("case", "splits", "triton ms", "sdpa ms", "GB/s", "of copy", "vs sdpa", "max|d|"), [
+        (r.name, r.num_splits, num(r.triton_ms, ".4f"), num(r.sdpa_ms, ".4f"), num(r.triton_bytes_per_s / 1e9, ".0f"),
+         num(r.fraction_of_copy, ".0%"), num(r.speedup_vs_sdpa, ".2f") + "x", num(r.max_abs_diff, ".1e"))
+        for r in results]))  # fmt: skip
+    goal = next((r for r in results if r.name == f"decode b={GOAL_BATCH} ctx={GOAL_CONTEXT}"), None)
     if goal is not None:
         met = goal.fraction_of_copy >= GOAL_FRACTION and goal.speedup_vs_sdpa > 1
-        print(
-            f"goal (b={GOAL_BATCH}, ctx={GOAL_CONTEXT}: >= {GOAL_FRACTION:.0%} of copy bandwidth and faster "
-            f"than SDPA): {'met' if met else 'NOT met'}"
-        )
+        print(f"goal (b={GOAL_BATCH}, ctx={GOAL_CONTEXT}: >= {GOAL_FRACTION:.0%} of copy bandwidth and faster "
+              f"than SDPA): {'met' if met else 'NOT met'}")  # fmt: skip
     if json_path is not None:
         import triton
 
-        payload = {
-            "device": name,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "copy_bytes_per_s": copy_bw,
-            "shape": {**asdict(shape), "dtype": str(shape.dtype)},
-            "results": [asdict(r) for r in results],
-        }
+        payload = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_bytes_per_s": copy_bw,
+                   "shape": {**asdict(shape), "dtype": str(shape.dtype)}, "results": [asdict(r) for r in results]}  # fmt: skip
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {json_path}")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from mmserve.bench import TensorParallelBenchConfig
+from mmserve.bench import TensorParallelBenchConfig, num, table
 from mmserve.bench.machine import cpu_model, cpu_times, load_average, other_cpu
 from mmserve.engine.messages import StepRecord
 
@@ -25,11 +25,7 @@ if TYPE_CHECKING:
 
 def decode_steps(steps: Sequence[StepRecord], num_requests: int) -> list[StepRecord]:
     """Pure decode steps with every request decoding: no prefill, no media, `num_requests` tokens."""
-    return [
-        s
-        for s in steps
-        if s.num_decode_tokens == num_requests and s.num_prefill_tokens == 0 and s.num_encoder_tokens == 0
-    ]
+    return [s for s in steps if s.num_decode_tokens == num_requests and s.num_prefill_tokens == s.num_encoder_tokens == 0]
 
 
 def comm_model(model_dir: Path, tp: int, num_tokens: int, dtype: torch.dtype) -> dict:
@@ -40,16 +36,10 @@ def comm_model(model_dir: Path, tp: int, num_tokens: int, dtype: torch.dtype) ->
     from mmserve.models.config import DecoderConfig
 
     cfg, _ = DecoderConfig.from_pretrained(model_dir)
-    if tp == 1:
-        return {"all_reduce": 0, "gather": 0, "total": 0, "num_all_reduces": 0}
-    all_reduce = (1 + 2 * cfg.num_layers) * num_tokens * cfg.hidden_size * dtype.itemsize
-    gather = num_tokens * math.ceil(cfg.vocab_size / tp) * 4
-    return {
-        "all_reduce": all_reduce,
-        "gather": gather,
-        "total": all_reduce + gather,
-        "num_all_reduces": 1 + 2 * cfg.num_layers,
-    }
+    num_all_reduces = 0 if tp == 1 else 1 + 2 * cfg.num_layers
+    all_reduce = num_all_reduces * num_tokens * cfg.hidden_size * dtype.itemsize
+    gather = 0 if tp == 1 else num_tokens * math.ceil(cfg.vocab_size / tp) * 4
+    return {"all_reduce": all_reduce, "gather": gather, "total": all_reduce + gather, "num_all_reduces": num_all_reduces}
 
 
 def _prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
@@ -58,11 +48,12 @@ def _prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int
     return [[rng.randrange(100, vocab_size - 200) for _ in range(length)] for _ in range(num)]
 
 
-def _stats(steps: list[StepRecord], concurrency: int, per_round: list[list[StepRecord]]) -> dict:
+def _stats(per_round: list[list[StepRecord]], concurrency: int) -> dict:
+    steps = [s for r in per_round for s in r]
     durations = np.array([s.duration_s for s in steps])
     forward = np.array([s.forward_duration_s for s in steps])
     sampling = np.array([s.sampling_duration_s for s in steps])
-    comm = np.array([s.comm_bytes for s in steps])
+    comm = float(np.mean([s.comm_bytes for s in steps]))
     median = float(np.median(durations))
     return {
         "num_steps": len(steps),
@@ -73,10 +64,10 @@ def _stats(steps: list[StepRecord], concurrency: int, per_round: list[list[StepR
         # scheduler, plan building and (TP > 1) the plan's broadcast to the other ranks
         "median_other_s": float(np.median(durations - forward - sampling)),
         "decode_tokens_per_s": concurrency / median,
-        "mean_comm_bytes": float(comm.mean()),
-        "comm_bytes_per_decode_token": float(comm.mean()) / concurrency,
+        "mean_comm_bytes": comm,
+        "comm_bytes_per_decode_token": comm / concurrency,
         "round_median_step_s": [float(np.median([s.duration_s for s in r])) for r in per_round],
-        "step_durations_s": [float(d) for d in durations],
+        "step_durations_s": durations.tolist(),
     }
 
 
@@ -85,14 +76,8 @@ def _build(model_dir: Path, tp: int, cfg: TensorParallelBenchConfig) -> tuple[LL
 
     threads_before = torch.get_num_threads()
     start = time.perf_counter()
-    llm = LLM(
-        model_dir,
-        tensor_parallel_size=tp,
-        max_num_seqs=max(cfg.concurrency),
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks,
-    )
+    llm = LLM(model_dir, tensor_parallel_size=tp, max_num_seqs=max(cfg.concurrency), block_size=cfg.block_size,
+              max_num_batched_tokens=cfg.max_num_batched_tokens, num_kv_blocks=cfg.num_kv_blocks)  # fmt: skip
     info = llm.engine.info()
     engine = {
         "startup_s": time.perf_counter() - start,
@@ -109,14 +94,11 @@ def _build(model_dir: Path, tp: int, cfg: TensorParallelBenchConfig) -> tuple[LL
     return llm, engine
 
 
-def _run_once(
-    llm: LLM, prompts: list[list[int]], output_len: int
-) -> tuple[list[StepRecord], list[list[int]]]:
+def _run_once(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[list[StepRecord], list[list[int]]]:
     from mmserve import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     llm.step_records.clear()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     return list(llm.step_records), [list(o.token_ids) for o in outputs]
 
 
@@ -133,9 +115,8 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
     load_before, cpu_before = load_average(), cpu_times()
     llms: dict[int, LLM] = {}
     engines: dict[int, dict] = {}
-    # (tp, concurrency) -> per round, its pure decode steps
-    steps: dict[tuple[int, int], list[list[StepRecord]]] = {}
-    differing: dict[tuple[int, int], int] = {}
+    steps: dict[tuple[int, int], list[list[StepRecord]]] = {}  # (tp, concurrency) -> per round, its decode steps
+    differing: dict[tuple[int, int], int] = {}  # (tp, concurrency) -> most requests unlike the first size's
     try:
         for tp in cfg.tensor_parallel_sizes:
             llms[tp], engines[tp] = _build(model_dir, tp, cfg)
@@ -146,13 +127,9 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
             torch.set_num_threads(engines[tp]["torch_threads_per_rank"])
             _run_once(llm, warm, 4)
         for rnd in range(cfg.rounds):
-            order = list(cfg.tensor_parallel_sizes)
-            if rnd % 2:
-                order.reverse()
+            order = list(cfg.tensor_parallel_sizes)[:: -1 if rnd % 2 else 1]
             for c_index, concurrency in enumerate(cfg.concurrency):
-                prompts = _prompts(
-                    model_cfg.vocab_size, concurrency, cfg.input_len, cfg.seed + 100 * rnd + c_index
-                )
+                prompts = _prompts(model_cfg.vocab_size, concurrency, cfg.input_len, cfg.seed + 100 * rnd + c_index)
                 tokens: dict[int, list[list[int]]] = {}
                 for tp in order:
                     torch.set_num_threads(engines[tp]["torch_threads_per_rank"])
@@ -160,18 +137,13 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
                     records, tokens[tp] = _run_once(llms[tp], prompts, cfg.output_len)
                     pure = decode_steps(records, concurrency)
                     if not pure:
-                        raise ValueError(
-                            f"tp={tp}, concurrency {concurrency}: no step had every request decoding "
-                            f"(raise --output-len or --max-num-batched-tokens)"
-                        )
+                        raise ValueError(f"tp={tp}, concurrency {concurrency}: no step had every request decoding "
+                                         "(raise --output-len or --max-num-batched-tokens)")  # fmt: skip
                     steps.setdefault((tp, concurrency), []).append(pure)
                     if progress:
-                        print(
-                            f"round {rnd + 1}/{cfg.rounds} concurrency {concurrency} tp={tp}: "
-                            f"{len(pure)} decode steps, median {np.median([s.duration_s for s in pure]) * 1e3:.1f} ms "
-                            f"({time.perf_counter() - start:.1f} s)",
-                            flush=True,
-                        )
+                        print(f"round {rnd + 1}/{cfg.rounds} concurrency {concurrency} tp={tp}: {len(pure)} decode "
+                              f"steps, median {np.median([s.duration_s for s in pure]) * 1e3:.1f} ms "
+                              f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
                 first = tokens[cfg.tensor_parallel_sizes[0]]
                 for tp, toks in tokens.items():
                     n = sum(a != b for a, b in zip(toks, first, strict=True))
@@ -181,100 +153,53 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
             llms[tp].close()
         torch.set_num_threads(base_threads)
     # The ranks are waited for in close(), so their CPU time is in this process's children's times now.
-    contention = {
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-        **other_cpu(cpu_before, cpu_times()),
-    }
-    return _report(model_dir, cfg, engines, steps, differing, base_threads, contention)
-
-
-def _report(
-    model_dir: Path,
-    cfg: TensorParallelBenchConfig,
-    engines: dict[int, dict],
-    steps: dict[tuple[int, int], list[list[StepRecord]]],
-    differing: dict[tuple[int, int], int],
-    base_threads: int,
-    contention: dict,
-) -> dict:
-    base_tp = 1 if 1 in cfg.tensor_parallel_sizes else cfg.tensor_parallel_sizes[0]
+    contention = {"load_average_before": load_before, "load_average_after": load_average(),
+                  **other_cpu(cpu_before, cpu_times())}  # fmt: skip
     results: dict[str, dict[str, dict]] = {}
-    for tp in cfg.tensor_parallel_sizes:
-        dtype = getattr(torch, engines[tp]["dtype"])
-        results[str(tp)] = {}
-        for concurrency in cfg.concurrency:
-            per_round = steps[(tp, concurrency)]
-            row = _stats([s for r in per_round for s in r], concurrency, per_round)
-            model = comm_model(model_dir, tp, concurrency, dtype)
-            row["comm_bytes_model"] = model
-            row["comm_bytes_match_model"] = row["mean_comm_bytes"] == model["total"]
-            # bytes all-reduced per decode token: the measured total less the LM head's logit gather
-            row["all_reduce_bytes_per_decode_token"] = (
-                row["mean_comm_bytes"] - model["gather"]
-            ) / concurrency
-            row["outputs_differing_from_first_size"] = differing[(tp, concurrency)]
-            results[str(tp)][str(concurrency)] = row
-    ratios = {
-        str(tp): {
-            str(c): results[str(tp)][str(c)]["median_step_s"] / results[str(base_tp)][str(c)]["median_step_s"]
-            for c in cfg.concurrency
-        }
-        for tp in cfg.tensor_parallel_sizes
-        if tp != base_tp
-    }
+    for (tp, concurrency), per_round in steps.items():
+        row = _stats(per_round, concurrency)
+        model = comm_model(model_dir, tp, concurrency, getattr(torch, engines[tp]["dtype"]))
+        row["comm_bytes_model"] = model
+        row["comm_bytes_match_model"] = row["mean_comm_bytes"] == model["total"]
+        # bytes all-reduced per decode token: the measured total less the LM head's logit gather
+        row["all_reduce_bytes_per_decode_token"] = (row["mean_comm_bytes"] - model["gather"]) / concurrency
+        row["outputs_differing_from_first_size"] = differing[(tp, concurrency)]
+        results.setdefault(str(tp), {})[str(concurrency)] = row
+    base_tp = 1 if 1 in cfg.tensor_parallel_sizes else cfg.tensor_parallel_sizes[0]
+    base = results[str(base_tp)]
     return {
         "config": {"model": str(model_dir), **asdict(cfg), "num_kv_blocks": cfg.num_kv_blocks},
-        "machine": {
-            "cpu_model": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": base_threads,
-            "torch_version": torch.__version__,
-            "contention": contention,
-        },
+        "machine": {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": base_threads,
+                    "torch_version": torch.__version__, "contention": contention},
         "engines": {str(tp): e for tp, e in engines.items()},
         "results": results,
         "base_tensor_parallel_size": base_tp,
         # median decode step time of each TP size over the base size's, per concurrency
-        "step_time_ratio_to_base": ratios,
-    }
+        "step_time_ratio_to_base": {
+            tp: {c: row["median_step_s"] / base[c]["median_step_s"] for c, row in by_c.items()}
+            for tp, by_c in results.items() if tp != str(base_tp)
+        },
+    }  # fmt: skip
 
 
 def format_report(report: dict) -> str:
-    m = report["machine"]
+    m, cont, ratios = report["machine"], report["machine"]["contention"], report["step_time_ratio_to_base"]
     threads = ", ".join(f"TP={tp}: {e['torch_threads_per_rank']}" for tp, e in report["engines"].items())
     lines = [f"{m['cpu_model']}, {m['cpu_count']} CPUs; torch threads per rank {threads}"]
-    cont = m["contention"]
     if cont.get("other_cpu_s") is not None:
-        lines.append(
-            f"other processes used {cont['other_cpu_s']:.1f} CPU-s ({cont['other_cpu_share']:.1%} of the "
-            f"machine) and the hypervisor stole {cont['steal_s']:.1f} s over the {cont['wall_s']:.0f} s run"
-        )
-    lines.append(
-        f"{'TP':>3}{'conc':>6}{'steps':>7}{'median ms':>11}{'p90 ms':>9}{'fwd ms':>9}{'other ms':>10}"
-        f"{'tok/s':>9}{'comm B/step':>13}{'all-reduce B/tok':>18}{'vs base':>9}"
-    )
-    ratios = report["step_time_ratio_to_base"]
-    for tp, by_c in report["results"].items():
-        for c, r in by_c.items():
-            ratio = f"{ratios[tp][c]:.2f}x" if tp in ratios else "-"
-            lines.append(
-                f"{tp:>3}{c:>6}{r['num_steps']:>7}{r['median_step_s'] * 1e3:>11.2f}{r['p90_step_s'] * 1e3:>9.2f}"
-                f"{r['median_forward_s'] * 1e3:>9.2f}{r['median_other_s'] * 1e3:>10.2f}"
-                f"{r['decode_tokens_per_s']:>9.0f}{r['mean_comm_bytes']:>13.0f}"
-                f"{r['all_reduce_bytes_per_decode_token']:>18.0f}{ratio:>9}"
-            )
-    mismatched = [
-        f"TP={tp} c={c}" for tp, by_c in report["results"].items() for c, r in by_c.items()
-        if not r["comm_bytes_match_model"]
-    ]  # fmt: skip
-    if mismatched:
+        lines.append(f"other processes used {cont['other_cpu_s']:.1f} CPU-s ({cont['other_cpu_share']:.1%} of the "
+                     f"machine) and the hypervisor stole {cont['steal_s']:.1f} s over the {cont['wall_s']:.0f} s run")
+    rows = [(tp, c, r["num_steps"], num(r["median_step_s"] * 1e3, ".2f"), num(r["p90_step_s"] * 1e3, ".2f"),
+             num(r["median_forward_s"] * 1e3, ".2f"), num(r["median_other_s"] * 1e3, ".2f"),
+             num(r["decode_tokens_per_s"], ".0f"), num(r["mean_comm_bytes"], ".0f"),
+             num(r["all_reduce_bytes_per_decode_token"], ".0f"), num(ratios.get(tp, {}).get(c), ".2f"))
+            for tp, by_c in report["results"].items() for c, r in by_c.items()]  # fmt: skip
+    lines.append(table(("TP", "conc", "steps", "median ms", "p90 ms", "fwd ms", "other ms", "tok/s", "comm B/step",
+                        "all-reduce B/tok", "vs base"), rows))  # fmt: skip
+    cells = [(f"TP={tp} c={c}", r) for tp, by_c in report["results"].items() for c, r in by_c.items()]
+    if mismatched := [name for name, r in cells if not r["comm_bytes_match_model"]]:
         lines.append("measured comm bytes differ from the layers' recipe at: " + ", ".join(mismatched))
-    differ = [
-        f"TP={tp} c={c}: {r['outputs_differing_from_first_size']}"
-        for tp, by_c in report["results"].items() for c, r in by_c.items()
-        if r["outputs_differing_from_first_size"]
-    ]  # fmt: skip
-    if differ:
+    if differ := [f"{name}: {r['outputs_differing_from_first_size']}" for name, r in cells
+                  if r["outputs_differing_from_first_size"]]:  # fmt: skip
         lines.append("greedy outputs differing from the first TP size (requests): " + "; ".join(differ))
     return "\n".join(lines)
