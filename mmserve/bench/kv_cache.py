@@ -15,7 +15,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from mmserve import LLM, SamplingParams
-from mmserve.bench import KVCacheBenchConfig
+from mmserve.bench import KVCacheBenchConfig, num, table
 from mmserve.bench.machine import cpu_model
 from mmserve.engine.core import DTYPES
 from mmserve.engine.model_runner import ModelRunner
@@ -128,18 +128,14 @@ def _agreement(
 
 def format_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
-    lines = [f"KV cache dtypes on {report['cpu']}: {cfg['dtype']} compute, {cfg['kv_cache_memory'] / 2**20:.1f} MiB "
-             f"pool, {cfg['num_requests']} requests x ({cfg['prompt_len']} + {cfg['output_len']}) tokens",
-             f"{'kv dtype':<10} {'blocks':>7} {'B/token':>8} {'seqs held':>9} {'capacity':>8} {'preempt':>7} "
-             f"{'tok/s':>8} {'ratio':>6} {'equal-conc tok/s':>16} {'ratio':>6} {'agree':>6} {'same':>5} "
-             f"{'|dlogp|':>8}"]  # fmt: skip
-    for r in report["results"]:
-        lines.append(
-            f"{r['kv_cache_dtype']:<10} {r['num_kv_blocks']:>7} {r['kv_bytes_per_token']:>8.0f} "
-            f"{r['capacity_peak_running']:>4}/{r['capacity_seqs']:<4} {r['capacity_ratio']:>7.2f}x {r['capacity_preemptions']:>7} "
-            f"{r['output_tok_s']:>8.1f} {r['tok_s_ratio']:>5.2f}x "
-            f"{r['equal_concurrency_tok_s']:>12.1f} ({r['equal_concurrency_seqs']}) {r['equal_concurrency_ratio']:>5.2f}x "
-            f"{r['greedy_token_agreement']:>6.2f} "
-            f"{r['identical_outputs']:>5.2f} {r['first_token_mean_abs_logprob_diff']:>8.3f}"
-        )
-    return "\n".join(lines)
+    rows = [(r["kv_cache_dtype"], r["num_kv_blocks"], num(r["kv_bytes_per_token"], ".0f"),
+             f"{r['capacity_peak_running']}/{r['capacity_seqs']}", num(r["capacity_ratio"], ".2f") + "x",
+             r["capacity_preemptions"], num(r["output_tok_s"]), num(r["tok_s_ratio"], ".2f") + "x",
+             f"{r['equal_concurrency_tok_s']:.1f} ({r['equal_concurrency_seqs']})",
+             num(r["equal_concurrency_ratio"], ".2f") + "x", num(r["greedy_token_agreement"], ".2f"),
+             num(r["identical_outputs"], ".2f"), num(r["first_token_mean_abs_logprob_diff"], ".3f"))
+            for r in report["results"]]  # fmt: skip
+    return (f"KV cache dtypes on {report['cpu']}: {cfg['dtype']} compute, {cfg['kv_cache_memory'] / 2**20:.1f} MiB "
+            f"pool, {cfg['num_requests']} requests x ({cfg['prompt_len']} + {cfg['output_len']}) tokens\n"
+            + table(("kv dtype", "blocks", "B/token", "seqs held", "capacity", "preempt", "tok/s", "ratio",
+                     "equal-conc tok/s", "ratio", "agree", "same", "|dlogp|"), rows))  # fmt: skip

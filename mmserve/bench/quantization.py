@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mmserve.bench import BENCH_FORMATS, QuantizationBenchConfig  # noqa: F401  (BENCH_FORMATS: tests check it)
+from mmserve.bench import BENCH_FORMATS, QuantizationBenchConfig, num, table  # noqa: F401  (BENCH_FORMATS: tests check it)
 from mmserve.bench.machine import cpu_model
 
 _PLAIN_IDS = 4000  # prompt ids drawn below this and below the first special token's id
@@ -86,25 +86,12 @@ def _prompts(n: int, length: int, limit: int, rng: random.Random) -> list[list[i
 
 def _start(model_dir: Path, path: str | None, cfg: QuantizationBenchConfig) -> tuple[Any, dict[str, Any]]:
     """An engine on `model_dir` with the compute path `path` (None: a dense checkpoint), and its load figures."""
-    import os
-
     from mmserve import LLM
-    from mmserve.models.quant.linear import QUANT_COMPUTE_ENV
 
-    previous = os.environ.get(QUANT_COMPUTE_ENV)
-    if path is not None:
-        os.environ[QUANT_COMPUTE_ENV] = path
-    try:
-        start = time.perf_counter()
-        llm = LLM(model_dir, dtype=cfg.dtype, num_kv_blocks=_blocks_needed(cfg), max_num_seqs=1024,
-                  max_num_batched_tokens=max(2048, cfg.prefill_len))  # fmt: skip
-        load_s = time.perf_counter() - start
-    finally:
-        if previous is None:
-            os.environ.pop(QUANT_COMPUTE_ENV, None)
-        else:
-            os.environ[QUANT_COMPUTE_ENV] = previous
-    return llm, {"weight_bytes": llm.info().weight_bytes, "load_s": load_s}
+    start = time.perf_counter()
+    llm = LLM(model_dir, dtype=cfg.dtype, num_kv_blocks=_blocks_needed(cfg), max_num_seqs=1024, quant_compute=path,
+              max_num_batched_tokens=max(2048, cfg.prefill_len))  # fmt: skip
+    return llm, {"weight_bytes": llm.info().weight_bytes, "load_s": time.perf_counter() - start}
 
 
 def _greedy(llm: Any, prompts: list[list[int]], cfg: QuantizationBenchConfig) -> list[tuple[list[int], list[float]]]:
@@ -177,17 +164,11 @@ def _accuracy(llm: Any, prompts: list[list[int]], outputs: list[tuple[list[int],
 
 
 def format_report(report: dict[str, Any]) -> str:
-    cfg = report["config"]
-    lines = [
-        f"model {report['model']} ({cfg['dtype']}), {report['machine']['cpu']}, {report['machine']['threads']} threads",
-        f"{'format':12} {'path':12} {'weights MiB':>11} {'ratio':>6} {'agree':>6} {'ident':>6} {'|dlogp|':>8} "
-        f"{'prefill t/s':>11} {'decode t/s':>10} {'b1 t/s':>8}",
-    ]
-    for r in report["results"]:
-        lines.append(
-            f"{r['format']:12} {r['path']:12} {r['weight_bytes'] / 2**20:11.1f} {r['weight_bytes_ratio']:6.2f} "
-            f"{r.get('greedy_token_agreement', 1.0):6.2f} {r.get('identical_outputs', 1.0):6.2f} "
-            f"{r.get('mean_abs_logprob_diff', 0.0):8.4f} {r['prefill_tok_s']:11.0f} {r['decode_tok_s']:10.1f} "
-            f"{r['decode_batch1_tok_s']:8.1f}"
-        )
-    return "\n".join(lines)
+    cfg, machine = report["config"], report["machine"]
+    rows = [(r["format"], r["path"], num(r["weight_bytes"] / 2**20), num(r["weight_bytes_ratio"], ".2f"),
+             num(r.get("greedy_token_agreement", 1.0), ".2f"), num(r.get("identical_outputs", 1.0), ".2f"),
+             num(r.get("mean_abs_logprob_diff", 0.0), ".4f"), num(r["prefill_tok_s"], ".0f"), num(r["decode_tok_s"]),
+             num(r["decode_batch1_tok_s"])) for r in report["results"]]  # fmt: skip
+    return (f"model {report['model']} ({cfg['dtype']}), {machine['cpu']}, {machine['threads']} threads\n"
+            + table(("format", "path", "weights MiB", "ratio", "agree", "ident", "|dlogp|", "prefill t/s",
+                     "decode t/s", "b1 t/s"), rows))  # fmt: skip
