@@ -17,30 +17,32 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit(
-            "--plot needs matplotlib: pip install matplotlib (or pip install 'mmserve[bench]')"
-        ) from None
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib (or pip install 'mmserve[bench]')") from None
     return plt
 
 
-def _save(plt: Any, fig: Any, path: Path, dpi: int = 100) -> Path:
+def _figure(out_dir: Path, nrows: int, ncols: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[Any, Any]:
+    """A new figure and its axes (matplotlib's `subplots`), `out_dir` made."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _pyplot().subplots(nrows, ncols, figsize=figsize, **kwargs)
+
+
+def _save(fig: Any, path: Path, dpi: int = 100) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
 def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
     """Output tokens/s per system, each bar labelled with its ratio to hf-static (or to the first
     system) and its efficiency against the roofline bound, which is drawn as a line."""
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
     systems = list(report["systems"].values())
     names = [r["system"] for r in systems]
     rates = [r["output_tokens_per_s"] for r in systems]
     base_name = "hf-static" if "hf-static" in report["systems"] else names[0]
     base = report["systems"][base_name]["output_tokens_per_s"]
-    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 3.6))
+    fig, ax = _figure(out_dir, 1, 1, (1.4 * len(names) + 2.5, 3.6))
     bars = ax.bar(names, rates, color="#4c72b0")
     for bar, r in zip(bars, systems, strict=True):
         ax.annotate(
@@ -50,43 +52,25 @@ def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
         )  # fmt: skip
     ax.axhline(report["output_tokens_per_s_bound"], color="#c44e52", ls="--", lw=1, label="roofline bound")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(
-        f"throughput, {report['config'].get('workload', 'random')} (ratios vs {base_name})", fontsize=9
-    )
+    ax.set_title(f"throughput, {report['config'].get('workload', 'random')} (ratios vs {base_name})", fontsize=9)
     ax.margins(y=0.25)
     ax.legend(fontsize=8, loc="upper right")
-    path = _save(plt, fig, out_dir / f"throughput-{report['config'].get('workload', 'random')}.png")
+    path = _save(fig, out_dir / f"throughput-{report['config'].get('workload', 'random')}.png")
     # long-video: how chunked and unchunked mmserve composed their steps as the videos arrived.
-    runs = [
-        (
-            f"{name}: text ITL p99 {r['itl_p99_ms']:.1f} ms" if r.get("itl_p99_ms") is not None else name,
-            r["timeline"],
-        )
-        for name, r in report["systems"].items()
-        if name in ("mmserve", "mmserve-no-chunk") and r.get("timeline")
-    ]
-    if runs:
-        return [path, _plot_step_timelines(runs, out_dir / "throughput-long-video-steps.png")]
-    return [path]
+    runs = [(f"{name}: text ITL p99 {r['itl_p99_ms']:.1f} ms" if r.get("itl_p99_ms") is not None else name,
+             r["timeline"]) for name, r in report["systems"].items()
+            if name in ("mmserve", "mmserve-no-chunk") and r.get("timeline")]  # fmt: skip
+    return [path, _plot_step_timelines(runs, out_dir / "throughput-long-video-steps.png")] if runs else [path]
 
 
 def plot_serve(report: dict, out_dir: Path) -> list[Path]:
     """Empirical CDFs of TTFT, TPOT, ITL and e2e latency, one line per transport."""
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
-    for ax, (key, title) in zip(
-        axes,
-        (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itls_s", "ITL"), ("e2el_s", "e2e latency")),
-        strict=True,
-    ):
+    fig, axes = _figure(out_dir, 1, 4, (14, 3.2))
+    panels = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itls_s", "ITL"), ("e2el_s", "e2e latency"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
         for transport, rows in report["requests"].items():
-            values: list[float] = []
-            for row in rows:
-                if not row["success"]:
-                    continue
-                v = row[key]
-                values.extend(v if isinstance(v, list) else [] if v is None else [v])
+            values = [x for row in rows if row["success"] and row[key] is not None
+                      for x in (row[key] if isinstance(row[key], list) else [row[key]])]  # fmt: skip
             if not values:
                 continue
             x = np.sort(np.asarray(values) * 1e3)
@@ -96,7 +80,7 @@ def plot_serve(report: dict, out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     axes[0].legend(fontsize=8)
-    return [_save(plt, fig, out_dir / f"serve-latency-cdf-{report['config']['workload']}.png")]
+    return [_save(fig, out_dir / f"serve-latency-cdf-{report['config']['workload']}.png")]
 
 
 def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
@@ -111,17 +95,11 @@ def plot_long_video(report: dict, out_dir: Path) -> list[Path]:
 def _plot_step_timelines(runs: list[tuple[str, list[dict]]], path: Path) -> Path:
     """One panel per (title, timeline): decode / prefill / encoder tokens per step as stacked bars and
     the step's time as a line on the right axis."""
-    plt = _pyplot()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.6 * len(runs)), squeeze=False)
+    fig, axes = _figure(path.parent, len(runs), 1, (9, 2.6 * len(runs)), squeeze=False)
     for ax, (title, steps) in zip(axes[:, 0], runs, strict=True):
         x = np.arange(len(steps))
         bottom = np.zeros(len(steps))
-        for key, color in (
-            ("decode_tokens", "#55a868"),
-            ("prefill_tokens", "#4c72b0"),
-            ("encoder_tokens", "#dd8452"),
-        ):
+        for key, color in (("decode_tokens", "#55a868"), ("prefill_tokens", "#4c72b0"), ("encoder_tokens", "#dd8452")):
             values = np.array([s[key] for s in steps], dtype=float)
             ax.bar(x, values, bottom=bottom, color=color, label=key.replace("_", " "))
             bottom += values
@@ -133,15 +111,13 @@ def _plot_step_timelines(runs: list[tuple[str, list[dict]]], path: Path) -> Path
         twin.set_ylim(bottom=0)
         ax.legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("step")
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
     """slo-mix: interactive SLO attainment, chat goodput and batch throughput against chat load, one
     line per policy (one small PNG, three panels)."""
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.0))
+    fig, axes = _figure(out_dir, 1, 3, (10.5, 3.0))
     panels = (
         ("chat SLO attainment (%)", lambda m: 100 * (m["interactive"]["slo_attainment"] or 0.0)),
         ("chat goodput (req/s)", lambda m: m["interactive"]["goodput_rps"]),
@@ -166,17 +142,15 @@ def plot_slo_mix(report: dict, out_dir: Path) -> list[Path]:
             if entry["capacity_bound"] == "interpolated":
                 axes[0].axvline(entry["capacity_rps"], color=colors[policy], lw=0.8, ls="--")
     axes[0].legend(fontsize=7)
-    return [_save(plt, fig, out_dir / "slo_mix.png", 80)]
+    return [_save(fig, out_dir / "slo_mix.png", 80)]
 
 
 def plot_router(report: dict, out_dir: Path) -> list[Path]:
     """One row of bars per media kind: output tok/s, prefix-cache hit rate, median TTFT, per policy."""
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
     results = report["results"]
     panels = (("output_throughput", "output tok/s"), ("server_prefix_cache_hit_rate", "prefix-cache hit rate"),
               ("median_ttft_ms", "TTFT median (ms)"), ("family_stickiness", "family stickiness"))  # fmt: skip
-    fig, axes = plt.subplots(len(results), len(panels), figsize=(14, 3.2 * len(results)), squeeze=False)
+    fig, axes = _figure(out_dir, len(results), len(panels), (14, 3.2 * len(results)), squeeze=False)
     for row, (media, by_policy) in enumerate(results.items()):
         names = list(by_policy)
         for ax, (key, title) in zip(axes[row], panels, strict=True):
@@ -186,16 +160,14 @@ def plot_router(report: dict, out_dir: Path) -> list[Path]:
     cfg = report["config"]
     fig.suptitle(f"{cfg['num_replicas']} mmserve replicas behind vllm-router, {cfg['num_families']} prefix families, "
                  f"{cfg['concurrency']} in flight")  # fmt: skip
-    return [_save(plt, fig, out_dir / "router.png", 110)]
+    return [_save(fig, out_dir / "router.png", 110)]
 
 
 def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
     """Median decode step time (p90 as the bar's top) against concurrency, one line per TP size, and
     the ratio to the base size."""
-    plt = _pyplot()
-    out_dir.mkdir(parents=True, exist_ok=True)
     concurrency = report["config"]["concurrency"]
-    fig, (ax, rax) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, (ax, rax) = _figure(out_dir, 1, 2, (9, 3.4))
     for tp, by_c in report["results"].items():
         med = [by_c[str(c)]["median_step_s"] * 1e3 for c in concurrency]
         p90 = [by_c[str(c)]["p90_step_s"] * 1e3 for c in concurrency]
@@ -224,4 +196,4 @@ def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
     rax.margins(y=0.2)
     rax.legend(fontsize=8)
     fig.suptitle(f"decode step time by tensor-parallel size ({report['machine']['cpu_model']})", fontsize=9)
-    return [_save(plt, fig, out_dir / "tensor_parallel.png")]
+    return [_save(fig, out_dir / "tensor_parallel.png")]
