@@ -35,9 +35,7 @@ def profile(model: Path, cfg: ProfileBenchConfig) -> tuple[StepTimeModel, dict]:
     rng = np.random.default_rng(0)
     # Plain text ids only: a random special id (an image placeholder, say) would change the request.
     special = set(llm.tokenizer.all_special_ids) | set(llm.tokenizer.added_tokens_decoder)
-    plain = np.array(
-        [i for i in range(min(len(llm.tokenizer), engine.model_config.vocab_size)) if i not in special]
-    )
+    plain = np.array([i for i in range(min(len(llm.tokenizer), engine.model_config.vocab_size)) if i not in special])
 
     def run(prompts: list[Any], max_tokens: int, kind: str) -> None:
         """Add the prompts, step until they finish, keep every step but the first of a kind's first run."""
@@ -50,15 +48,11 @@ def profile(model: Path, cfg: ProfileBenchConfig) -> tuple[StepTimeModel, dict]:
             step = engine.step()
             if step.step is not None:
                 records.append(step.step)
-        for record in records:
-            features = StepFeatures(
-                new_tokens=record.num_decode_tokens + record.num_prefill_tokens,
-                context_tokens=record.num_context_tokens,
-                num_seqs=record.num_seqs,
-                encoder_tokens=record.num_encoder_tokens,
-            )
-            step_kind = kind if record.num_prefill_tokens or record.num_encoder_tokens else "decode"
-            samples.append({"kind": step_kind, "features": features.__dict__, "seconds": record.duration_s})
+        for r in records:
+            features = StepFeatures(new_tokens=r.num_decode_tokens + r.num_prefill_tokens, num_seqs=r.num_seqs,
+                                    context_tokens=r.num_context_tokens, encoder_tokens=r.num_encoder_tokens)  # fmt: skip
+            step_kind = kind if r.num_prefill_tokens or r.num_encoder_tokens else "decode"
+            samples.append({"kind": step_kind, "features": features.__dict__, "seconds": r.duration_s})
 
     def text(n: int) -> dict:
         return {"prompt_token_ids": rng.choice(plain, n).tolist()}
@@ -77,9 +71,7 @@ def profile(model: Path, cfg: ProfileBenchConfig) -> tuple[StepTimeModel, dict]:
             for frames in cfg.video_frames:
                 run([video_prompt(frames, cfg.video_size, int(rng.integers(1 << 30)))], 2, "video")
     model = StepTimeModel.fit([(StepFeatures(**s["features"]), s["seconds"]) for s in samples])
-    errors = [
-        abs(model.predict(StepFeatures(**s["features"])) - s["seconds"]) / s["seconds"] for s in samples
-    ]
+    errors = [abs(model.predict(StepFeatures(**s["features"])) - s["seconds"]) / s["seconds"] for s in samples]
     report = {
         "model": str(llm.engine.args.model),
         "config": asdict(cfg),
@@ -95,13 +87,10 @@ def profile(model: Path, cfg: ProfileBenchConfig) -> tuple[StepTimeModel, dict]:
 
 def format_report(report: dict) -> str:
     c = report["coefficients"]
-    lines = [f"step-time model of {report['model']} from {report['num_samples']} steps:"]
-    lines += [f"  {name:<16}{c[name]:.3e} s" for name in FEATURES]
-    lines.append(
-        f"  median / p90 relative error: {100 * report['median_relative_error']:.0f}% / "
-        f"{100 * report['p90_relative_error']:.0f}%"
-    )
-    return "\n".join(lines)
+    return "\n".join([f"step-time model of {report['model']} from {report['num_samples']} steps:",
+                      *(f"  {name:<16}{c[name]:.3e} s" for name in FEATURES),
+                      f"  median / p90 relative error: {report['median_relative_error']:.0%} / "
+                      f"{report['p90_relative_error']:.0%}"])  # fmt: skip
 
 
 def bench_profile(model: Path, out: Path, cfg: ProfileBenchConfig) -> dict:

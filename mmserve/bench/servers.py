@@ -41,6 +41,13 @@ class InProcessServer:
         self._tmp.cleanup()
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path, what: str) -> None:
     """Until `url`/health answers 200; raises with the tail of `log_path` if `proc` exits or `timeout_s` passes."""
     import httpx
@@ -60,25 +67,13 @@ class ServerProcess:
     loop share no GIL with the benchmark's clients (the in-process server's do). Its log goes to a
     temporary file, whose tail is raised when the server fails to come up."""
 
-    def __init__(
-        self,
-        model: Path,
-        startup_timeout_s: float = 300.0,
-        *,
-        port: int | None = None,
-        served_model_name: str = "bench",
-        extra_args: Sequence[str] = (),
-        wait: bool = True,
-        **engine_kwargs: Any,
-    ) -> None:
+    def __init__(self, model: Path, startup_timeout_s: float = 300.0, *, port: int | None = None,
+                 served_model_name: str = "bench", extra_args: Sequence[str] = (), wait: bool = True,
+                 **engine_kwargs: Any) -> None:  # fmt: skip
         """`engine_kwargs`: EngineArgs fields that `mmserve serve` has flags for (None: its default);
         `extra_args`: more flags as given. `port` None: a free one. `wait` False: `wait_until_up` later."""
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.port = port
+        self.port = port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.startup_timeout_s = startup_timeout_s
         # No queue cap below the benchmark's own load, as InProcessServer.
