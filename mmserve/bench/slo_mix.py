@@ -1,14 +1,6 @@
-"""`mmserve bench serve --workload slo-mix`: interactive chats (short text, single images) arriving as a
-Poisson process over a backlog of batch jobs (long prompts, multi-image, long videos), at several chat
-loads, under the `fcfs`, `priority` and `slo` policies in the same run (one in-process server per policy
-on the same model, the same requests at the same offsets). Reports per class TTFT / TPOT percentiles,
-interactive SLO attainment, goodput and batch throughput. Speaks the HTTP API only (service_tier
-"flex" and priority 1 mark batch work), never the engine's internals.
-
-With a `SweepConfig` (`--sweep`) the chat rate rises geometrically until every policy's attainment is below
-the bar, and each policy's capacity (the rate at 90% attainment, as Sarathi-Serve and DistServe state it)
-is reported. Targets and the first rate not given are derived from a short measurement of the machine at
-start (`calibrate`), so the same command stresses a slow and a fast CPU alike."""
+"""`mmserve bench serve --workload slo-mix`: chats over a backlog of batch jobs, at several chat loads, under
+the fcfs, priority and slo policies side by side: per class latency, chat SLO attainment, goodput, batch
+throughput and (`--sweep`) each policy's capacity. Speaks the HTTP API only, never the engine's internals."""
 
 from __future__ import annotations
 
@@ -21,13 +13,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mmserve.bench import MixConfig, SweepConfig
-from mmserve.bench.load import run_requests
-from mmserve.bench.metrics import PERCENTILES, RequestTiming, meets_slos, summarize_ms
+from mmserve.bench import MixConfig, SweepConfig, num, table
+from mmserve.bench.load import WARM_UP, run_requests
+from mmserve.bench.metrics import RequestTiming, meets_slos, ratio, summarize_ms
 from mmserve.bench.servers import InProcessServer
 from mmserve.bench.workload import BATCH, INTERACTIVE, Request, build_chats, build_mix, load_tokenizer
 
 QUICK_MIX = MixConfig().quick()  # what --quick runs
+_WARM_UP = replace(WARM_UP, at_s=0.0)  # a phase's requests all carry their offsets
 
 
 def run_phase(url: str, requests: list[Request]) -> tuple[list[tuple[Request, RequestTiming]], float]:
@@ -45,8 +38,8 @@ def phase_metrics(pairs: list[tuple[Request, RequestTiming]], duration_s: float,
         timings = [t for r, t in pairs if r.service_class == name]
         ok = [t for t in timings if t.success]
         m: dict[str, Any] = {"requests": len(timings), "completed": len(ok), "failed": len(timings) - len(ok)}
-        m.update(summarize_ms([t.ttft_s for t in ok if t.ttft_s is not None], "ttft", PERCENTILES))
-        m.update(summarize_ms([t.tpot_s for t in ok if t.tpot_s is not None], "tpot", PERCENTILES))
+        m |= summarize_ms([t.ttft_s for t in ok if t.ttft_s is not None], "ttft")
+        m |= summarize_ms([t.tpot_s for t in ok if t.tpot_s is not None], "tpot")
         m["tokens"] = sum(t.prompt_tokens + t.output_tokens for t in ok)
         m["output_tokens"] = sum(t.output_tokens for t in ok)
         if name == INTERACTIVE:
@@ -81,18 +74,16 @@ class Calibration:
         a slice of prefill, not for a full prefill chunk on top), TTFT 10x a chat's prefill alone but never
         under 5 TBT targets (a queued chat waits some steps). Rounded up to 10 ms."""
         tbt = 10.0 * math.ceil(400.0 * self.tpot_s)
-        ttft = max(10.0 * math.ceil(1000.0 * self.ttft_s), 5.0 * tbt)
-        return ttft, tbt
+        return max(10.0 * math.ceil(1000.0 * self.ttft_s), 5.0 * tbt), tbt
 
     def num_batch(self, duration_s: float, share: float = 0.5) -> int:
-        """Batch jobs (a multiple of the 3 kinds) whose prefills alone take about `share` of `duration_s`:
-        a backlog that lasts through the phase on any machine, not one a fast CPU clears in its first second."""
+        """Batch jobs (a multiple of the 3 kinds) whose prefills alone take about `share` of `duration_s`: a
+        backlog that lasts through the phase on any machine, not one a fast CPU clears in its first second."""
         return 3 * max(1, round(share * duration_s / self.batch_prefill_s))
 
     def start_load(self) -> float:
         """A quarter of the burst rate, to two significant digits: well under capacity on any machine."""
-        rate = self.burst_rps / 4.0
-        return float(f"{rate:.2g}")
+        return float(f"{self.burst_rps / 4.0:.2g}")
 
 
 CALIBRATION_ALONE = 6  # chats sent one at a time
@@ -108,38 +99,31 @@ def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool
     server = InProcessServer(model, **cfg.engine_kwargs("fcfs"))
     try:
         url = server.url.rstrip("/")
-        run_phase(url, [_warm_up()])
+        run_phase(url, [_WARM_UP])
         alone = [run_phase(url, [c])[0][0][1] for c in chats[:CALIBRATION_ALONE]]
-        pairs, duration = run_phase(url, chats[CALIBRATION_ALONE:])
+        burst, duration = run_phase(url, chats[CALIBRATION_ALONE:])
         batch = [t for _, t in run_phase(url, jobs)[0]]
     finally:
         server.close()
-    failed = [t.error for t in alone + [t for _, t in pairs] + batch if not t.success]
+    failed = [t.error for t in alone + [t for _, t in burst] + batch if not t.success]
     if failed:
         raise RuntimeError(f"slo-mix calibration: requests failed: {failed[:3]}")
     result = Calibration(
         ttft_s=statistics.median(t.ttft_s for t in alone if t.ttft_s is not None),
         tpot_s=statistics.median(t.tpot_s for t in alone if t.tpot_s is not None),
-        burst_rps=len(pairs) / duration,
+        burst_rps=len(burst) / duration,
         batch_prefill_s=max(t.ttft_s for t in batch if t.ttft_s is not None),
     )
     if progress:
-        print(
-            f"slo-mix: calibrated: a chat alone TTFT {1000 * result.ttft_s:.0f} ms, TPOT {1000 * result.tpot_s:.1f} ms;"
-            f" {result.burst_rps:.2f} chats/s in a burst of {len(pairs)}; one batch job of each kind prefilled in "
-            f"{result.batch_prefill_s:.2f} s",
-            flush=True,
-        )
+        print(f"slo-mix: calibrated: a chat alone TTFT {1000 * result.ttft_s:.0f} ms, TPOT {1000 * result.tpot_s:.1f} ms;"
+              f" {result.burst_rps:.2f} chats/s in a burst of {len(burst)}; one batch job of each kind prefilled in "
+              f"{result.batch_prefill_s:.2f} s", flush=True)  # fmt: skip
     return result
 
 
-def _warm_up() -> Request:
-    return Request([{"role": "user", "content": "Warm up."}], 2, at_s=0.0)
-
-
 def load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float, met: list[bool]) -> Iterator[float]:
-    """`cfg.loads`; with `sweep`, rates from `start` up by its factor while some policy meets the bar, or, if
-    none met it at `start`, down until one does. `met[-1]`: whether some policy met it at the rate last given."""
+    """`cfg.loads`; with `sweep`, rates from `start` up by its factor while some policy meets the bar, or,
+    if none met it at `start`, down until one does. `met[-1]`: whether some policy met it at the last rate."""
     if sweep is None:
         yield from cfg.loads
         return
@@ -154,9 +138,16 @@ def load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float, met: li
 
 
 def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: SweepConfig | None = None) -> dict:
-    """Every policy on every load (one in-process server per policy, all up for the whole run; the same
-    requests for all, load by load). With `sweep`, the loads are its ladder (`load_ladder`): up until every
-    policy misses the attainment bar, or down from the start until one meets it."""
+    """Every policy on every load: chats (short text, single images) arriving as a Poisson process over a
+    backlog of batch jobs (long prompts, multi-image, long videos; service_tier "flex" and priority 1 mark
+    them), the same requests at the same offsets for every policy, each on its own in-process server (all up
+    for the whole run).
+
+    With `sweep`, the loads are its ladder (`load_ladder`): up until every policy misses the attainment bar,
+    or down from the start until one meets it; each policy's capacity (the rate at the bar, as Sarathi-Serve
+    and DistServe state it) is reported. Targets and the first rate not given are derived from a short
+    measurement of the machine at start (`calibrate`), so the same command stresses a slow and a fast CPU
+    alike."""
     tokenizer = load_tokenizer(model)
     calibration: Calibration | None = None
     start = cfg.loads[0]
@@ -166,15 +157,15 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
         start, ttft_ms, tbt_ms, num_batch = sweep.resolved(calibration, cfg.duration_s)
         cfg = replace(cfg, ttft_ms=ttft_ms, tbt_ms=tbt_ms, num_batch=num_batch)
         if progress:
-            print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT {cfg.tbt_ms:g} ms, "
-                  f"{cfg.num_batch} batch jobs per load", flush=True)  # fmt: skip
+            print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT "
+                  f"{cfg.tbt_ms:g} ms, {cfg.num_batch} batch jobs per load", flush=True)  # fmt: skip
     servers: dict[str, InProcessServer] = {}
-    phases: dict[str, dict[str, int]] = {}
-    results: dict[str, dict[str, dict]] = {policy: {} for policy in cfg.policies}
+    phases: dict[str, dict[str, int]] = {}  # load -> its requests of each kind
+    results: dict[str, dict[str, dict]] = {policy: {} for policy in cfg.policies}  # policy -> load -> figures
     try:
         for policy in cfg.policies:
             servers[policy] = InProcessServer(model, **cfg.engine_kwargs(policy))
-            run_phase(servers[policy].url.rstrip("/"), [_warm_up()])
+            run_phase(servers[policy].url.rstrip("/"), [_WARM_UP])
         met: list[bool] = []
         for i, load in enumerate(load_ladder(cfg, sweep, start, met)):
             requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
@@ -186,9 +177,8 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
                 m["errors"] = sorted({t.error for _, t in pairs if t.error})[:5]
                 if progress:
                     print(f"slo-mix: {policy} @ {key} chats/s: {_line(m)}", flush=True)
-            met.append(sweep is not None and any(
-                meets_bar(by_load[key][INTERACTIVE]["slo_attainment"], sweep.attainment) for by_load in results.values()
-            ))  # fmt: skip
+            attainments = [by_load[key][INTERACTIVE]["slo_attainment"] for by_load in results.values()]
+            met.append(sweep is not None and any(meets_bar(a, sweep.attainment) for a in attainments))
     finally:
         for server in servers.values():
             server.close()
@@ -220,110 +210,94 @@ def capacity_at(loads: list[float], attainments: list[float | None], bar: float)
 
 
 def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calibration: Calibration | None) -> dict:
-    """Per policy: capacity at the attainment bar; against fcfs: goodput at every load and batch throughput
-    at the policy's capacity load (the highest swept rate it still met the bar at)."""
+    """Per policy: capacity at the attainment bar; against fcfs: goodput and batch throughput at every load,
+    batch throughput at the policy's capacity load (the highest swept rate it still met the bar at), and
+    capacity where both are known rates (None when fcfs's is only "below" its first rate: the ratio is then
+    unbounded; or when either is only "at least" a rate)."""
     loads = sorted(next(iter(results.values())), key=float)
-    out: dict[str, Any] = {
-        "attainment_bar": sweep.attainment, "factor": sweep.factor, "loads": [float(x) for x in loads],
-        "calibration": None if calibration is None else calibration.__dict__, "policies": {},
-    }  # fmt: skip
+    rates = [float(x) for x in loads]
     fcfs = results.get("fcfs")
+
+    def attainment(by_load: dict[str, dict], load: str) -> float | None:
+        return by_load[load][INTERACTIVE]["slo_attainment"]
+
+    def capacity(by_load: dict[str, dict]) -> tuple[float, str]:
+        return capacity_at(rates, [attainment(by_load, x) for x in loads], sweep.attainment)
+
+    def vs_fcfs(by_load: dict[str, dict], cls: str, figure: str) -> dict[str, float | None]:  # load -> ratio
+        assert fcfs is not None
+        return {x: ratio(by_load[x][cls][figure], fcfs[x][cls][figure]) for x in loads}
+
+    policies: dict[str, dict] = {}
     for policy, by_load in results.items():
-        attain = [by_load[x][INTERACTIVE]["slo_attainment"] for x in loads]
-        rate, bound = capacity_at([float(x) for x in loads], attain, sweep.attainment)
-        met = [x for x, a in zip(loads, attain, strict=True) if meets_bar(a, sweep.attainment)]
-        entry: dict[str, Any] = {"capacity_rps": rate, "capacity_bound": bound,
-                                 "capacity_load": float(met[-1]) if met else None}  # fmt: skip
+        rate, bound = capacity(by_load)
+        met = [x for x in loads if meets_bar(attainment(by_load, x), sweep.attainment)]
+        entry = policies[policy] = {"capacity_rps": rate, "capacity_bound": bound,
+                                    "capacity_load": float(met[-1]) if met else None}  # fmt: skip
         if fcfs is not None:
-            entry["goodput_vs_fcfs"] = {
-                x: _ratio(by_load[x][INTERACTIVE]["goodput_rps"], fcfs[x][INTERACTIVE]["goodput_rps"]) for x in loads
-            }
-            entry["batch_throughput_vs_fcfs"] = {
-                x: _ratio(by_load[x][BATCH]["throughput_tok_s"], fcfs[x][BATCH]["throughput_tok_s"]) for x in loads
-            }
-            entry["batch_throughput_vs_fcfs_at_capacity"] = (
-                entry["batch_throughput_vs_fcfs"][met[-1]] if met else None
-            )
-        out["policies"][policy] = entry
-    fcfs_entry = out["policies"].get("fcfs")
-    for entry in out["policies"].values():
-        if fcfs_entry is not None:
-            entry["capacity_vs_fcfs"] = _capacity_ratio(entry, fcfs_entry)
-    return out
+            fcfs_rate, fcfs_bound = capacity(fcfs)
+            batch = vs_fcfs(by_load, BATCH, "throughput_tok_s")
+            known = bound != "below" and fcfs_bound == "interpolated"
+            entry |= {"goodput_vs_fcfs": vs_fcfs(by_load, INTERACTIVE, "goodput_rps"),
+                      "batch_throughput_vs_fcfs": batch,
+                      "batch_throughput_vs_fcfs_at_capacity": batch[met[-1]] if met else None,
+                      "capacity_vs_fcfs": rate / fcfs_rate if known else None}  # fmt: skip
+    calibrated = None if calibration is None else asdict(calibration)
+    return {"attainment_bar": sweep.attainment, "factor": sweep.factor, "loads": rates,
+            "calibration": calibrated, "policies": policies}  # fmt: skip
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f}%"
 
 
-def _capacity_ratio(entry: dict, fcfs: dict) -> float | None:
-    """capacity / fcfs's when both are known rates; None when fcfs's is only "below" its first rate (the
-    ratio is then unbounded) or either is only a lower bound."""
-    if entry["capacity_bound"] == "below" or fcfs["capacity_bound"] != "interpolated":
-        return None
-    return entry["capacity_rps"] / fcfs["capacity_rps"]
+def _ms(m: dict, figure: str, *stats: str) -> str:
+    """One class's `figure` (ttft, tpot) at each of `stats` (median, p90, ...), in whole ms, "/"-joined."""
+    return "/".join(num(m[f"{stat}_{figure}_ms"], ".0f") for stat in stats)
 
 
 def _line(m: dict) -> str:
+    """One phase in a line (progress)."""
     i, b = m[INTERACTIVE], m[BATCH]
-    attain = "n/a" if i["slo_attainment"] is None else f"{100 * i['slo_attainment']:.0f}%"
-    return (
-        f"chat SLO {attain}, TTFT p50/p99 {i['median_ttft_ms']:.0f}/{i['p99_ttft_ms']:.0f} ms, "
-        f"TPOT p50/p99 {i['median_tpot_ms']:.0f}/{i['p99_tpot_ms']:.0f} ms; "
-        f"batch {b['throughput_tok_s']:.0f} tok/s, TTFT p50 {b['median_ttft_ms']:.0f} ms"
-    )
+    return (f"chat SLO {_percent(i['slo_attainment'])}, TTFT p50/p99 {_ms(i, 'ttft', 'median', 'p99')} ms, "
+            f"TPOT p50/p99 {_ms(i, 'tpot', 'median', 'p99')} ms; batch {b['throughput_tok_s']:.0f} tok/s, "
+            f"TTFT p50 {_ms(b, 'ttft', 'median')} ms")  # fmt: skip
 
 
 def format_report(report: dict) -> str:
-    """A Markdown table: one row per (load, policy)."""
-    cfg = report["config"]
-    head = (
-        f"slo-mix on {cfg['model']}: interactive SLO TTFT <= {cfg['ttft_ms']:g} ms and TPOT <= {cfg['tbt_ms']:g} ms; "
-        f"{cfg['num_batch']} batch jobs per load, {cfg['duration_s']:g} s of chats per load\n\n"
-        "| chats/s | policy | chat SLO met | chat goodput (req/s) | chat TTFT p50 / p90 / p99 (ms) | "
-        "chat TPOT p50 / p99 (ms) | batch TTFT p50 (ms) | batch TPOT p50 (ms) | batch tok/s | vs fcfs |\n"
-        "|---|---|---|---|---|---|---|---|---|---|"
-    )
-    rows = [head]
-    loads = next(iter(report["results"].values())).keys()
-    for load in loads:
-        fcfs = report["results"].get("fcfs", {}).get(load)
-        for policy, by_load in report["results"].items():
+    """The run's targets, one row per (load, policy), then the errors and (`--sweep`) the capacities."""
+    cfg, results = report["config"], report["results"]
+    rows = []
+    for load in next(iter(results.values())):
+        fcfs = results.get("fcfs", {}).get(load)
+        for policy, by_load in results.items():
             i, b = by_load[load][INTERACTIVE], by_load[load][BATCH]
-            attain = "n/a" if i["slo_attainment"] is None else f"{100 * i['slo_attainment']:.0f}% ({i['requests']})"
-            ratio = _fmt(_ratio(b["throughput_tok_s"], fcfs[BATCH]["throughput_tok_s"]) if fcfs else None)
-            rows.append(
-                f"| {load} | {policy} | {attain} | {i['goodput_rps']:.2f} | "
-                f"{i['median_ttft_ms']:.0f} / {i['p90_ttft_ms']:.0f} / {i['p99_ttft_ms']:.0f} | "
-                f"{i['median_tpot_ms']:.0f} / {i['p99_tpot_ms']:.0f} | {b['median_ttft_ms']:.0f} | "
-                f"{b['median_tpot_ms']:.0f} | {b['throughput_tok_s']:.0f} | {ratio} |"
-            )
-    errors = [f"{p} @ {load}: {e}" for p, by in report["results"].items() for load, m in by.items() for e in m["errors"]]
-    if errors:
-        rows.append("\nerrors: " + "; ".join(errors))
+            vs_fcfs = ratio(b["throughput_tok_s"], fcfs[BATCH]["throughput_tok_s"]) if fcfs else None
+            rows.append((load, policy, f"{_percent(i['slo_attainment'])} ({i['requests']})",
+                         num(i["goodput_rps"], ".2f"), _ms(i, "ttft", "median", "p90", "p99"),
+                         _ms(i, "tpot", "median", "p99"), _ms(b, "ttft", "median"), _ms(b, "tpot", "median"),
+                         num(b["throughput_tok_s"], ".0f"), num(vs_fcfs, ".2f")))  # fmt: skip
+    header = ("chats/s", "policy", "chat SLO met", "chat goodput (req/s)", "chat TTFT p50/p90/p99 (ms)",
+              "chat TPOT p50/p99 (ms)", "batch TTFT p50 (ms)", "batch TPOT p50 (ms)", "batch tok/s", "vs fcfs")
+    parts = [f"slo-mix on {cfg['model']}: interactive SLO TTFT <= {cfg['ttft_ms']:g} ms and TPOT <= "
+             f"{cfg['tbt_ms']:g} ms; {cfg['num_batch']} batch jobs per load, {cfg['duration_s']:g} s of "
+             "chats per load\n", table(header, rows)]  # fmt: skip
+    if errors := [f"{p} @ {load}: {e}" for p, by in results.items() for load, m in by.items() for e in m["errors"]]:
+        parts.append("\nerrors: " + "; ".join(errors))
     if "sweep" in report:
-        rows.append(format_sweep(report["sweep"]))
-    return "\n".join(rows)
+        parts.append(format_sweep(report["sweep"]))
+    return "\n".join(parts)
 
 
 def format_sweep(sweep: dict) -> str:
     """The capacity table of a `--sweep`: one row per policy."""
-    bar = 100 * sweep["attainment_bar"]
-    rows = [
-        f"\ncapacity at {bar:.0f}% chat SLO attainment (chat rates {', '.join(f'{x:g}' for x in sweep['loads'])}):\n",
-        "| policy | capacity (chats/s) | vs fcfs | goodput vs fcfs, min over loads | batch tok/s vs fcfs at capacity |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for policy, e in sweep["policies"].items():
-        cap = {"below": "< ", "at least": ">= ", "interpolated": ""}[e["capacity_bound"]] + f"{e['capacity_rps']:.3g}"
+        bound = {"below": "< ", "at least": ">= ", "interpolated": ""}[e["capacity_bound"]]
         goodput = [r for r in e.get("goodput_vs_fcfs", {}).values() if r is not None]
-        batch = e.get("batch_throughput_vs_fcfs_at_capacity")
-        rows.append(
-            f"| {policy} | {cap} | {_fmt(e.get('capacity_vs_fcfs'))} | {_fmt(min(goodput) if goodput else None)} | "
-            f"{_fmt(batch)} |"
-        )
-    return "\n".join(rows)
-
-
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+        rows.append((policy, bound + f"{e['capacity_rps']:.3g}", num(e.get("capacity_vs_fcfs"), ".2f"),
+                     num(min(goodput, default=None), ".2f"), num(e.get("batch_throughput_vs_fcfs_at_capacity"), ".2f")))
+    loads = ", ".join(f"{x:g}" for x in sweep["loads"])
+    title = f"capacity at {100 * sweep['attainment_bar']:.0f}% chat SLO attainment (chat rates {loads})"
+    header = ("policy", "capacity (chats/s)", "vs fcfs", "goodput vs fcfs, min over loads", "batch tok/s vs fcfs at capacity")
+    return f"\n{title}:\n" + table(header, rows)

@@ -1,19 +1,13 @@
-"""The requests every `mmserve bench` command sends, and the media and text in them.
-
-Online (HTTP and WebSocket clients: `bench serve`, its `slo-mix`, the router bench): `Request`s, the OpenAI chat
-messages of one request with its output length, class and arrival, built by `build_requests` (random, random-mm,
-prefix, long-video) and `build_mix` / `build_chats` (slo-mix). Offline (`bench throughput`, `long-video`,
-`profile`): `Workload`s, token ids as the engine sees them (media placeholders expanded by mmserve's own
-processor), output lengths, media and arrival schedules, so every system runs exactly the same requests.
-Text is random ids decoded by the model's tokenizer (about the asked number of tokens) or random words;
-images random pixels; videos smooth drifting colour fields (small to send) at the server's sampling rate."""
+"""The requests every `mmserve bench` command sends: online `Request`s (OpenAI chat messages) and offline
+`Workload`s (token ids as the engine sees them), with their random text (decoded random ids, or words),
+images (random pixels) and videos (smooth drifting colour fields: small to send)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +22,6 @@ _WORDS = (
 ).split()
 VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
 FIRST_VIDEO_STEP = 4  # offline long-video: steps after the text prefills before the first video arrives
-
-
-# ---------------------------------------------------------------------------------------- text and media
 
 
 def load_tokenizer(model: Path | None) -> Any | None:
@@ -53,16 +44,19 @@ def random_pixels(rng: np.random.Generator, size: int) -> np.ndarray:
     return rng.integers(0, 255, (size, size, 3), dtype=np.uint8)  # [H, W, 3]
 
 
-def image_data_url(rng: np.random.Generator, size: int, image_format: str = "png") -> str:
-    """A random `size`^2 image as a data URL, PNG (lossless: every pixel as drawn) or JPEG (quality 90)."""
+def _image_bytes(pixels: np.ndarray, image_format: str = "png") -> bytes:
+    """[H, W, 3] uint8 as PNG (lossless: every pixel as drawn) or JPEG (quality 90) bytes."""
     from PIL import Image
 
     buf = io.BytesIO()
-    if image_format == "jpeg":
-        Image.fromarray(random_pixels(rng, size)).save(buf, format="JPEG", quality=90)
-        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
-    Image.fromarray(random_pixels(rng, size)).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    Image.fromarray(pixels).save(buf, format=image_format.upper(), quality=90)  # PNG ignores the quality
+    return buf.getvalue()
+
+
+def image_data_url(rng: np.random.Generator, size: int, image_format: str = "png") -> str:
+    """A random `size`^2 image as a data URL, PNG or JPEG (see `_image_bytes`)."""
+    data = _image_bytes(random_pixels(rng, size), image_format)
+    return f"data:image/{image_format};base64," + base64.b64encode(data).decode()
 
 
 def video_frames(rng: np.random.Generator, num_frames: int, size: int) -> np.ndarray:
@@ -88,15 +82,27 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def video_part(url: str) -> dict:
-    return {"type": "video_url", "video_url": {"url": url}}
-
-
 def text_part(text: str) -> dict:
     return {"type": "text", "text": text}
 
 
-# ---------------------------------------------------------------------------------------- online requests
+def media_parts(np_rng: np.random.Generator, images: int = 0, image_size: int = 0, frames: int = 0,
+                video_size: int = 0, image_format: str = "png") -> list[dict]:  # fmt: skip
+    """`images` fresh random images, then (frames > 0) one fresh video, as data-URL content parts."""
+    parts = [image_part(image_data_url(np_rng, image_size, image_format)) for _ in range(images)]
+    if frames:
+        parts.append({"type": "video_url", "video_url": {"url": video_data_url(np_rng, frames, video_size)}})
+    return parts
+
+
+def user(text: str, media: list[dict] | None = None) -> list[dict]:
+    """The messages of a one-turn chat: the user's `media` parts then `text` (without media: the bare text)."""
+    return [{"role": "user", "content": [*media, text_part(text)] if media else text}]
+
+
+def _check_media(num_images: int, num_frames: int) -> None:
+    if num_images < 0 or num_frames < 0 or num_images + num_frames == 0:
+        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
 
 
 @dataclass(frozen=True)
@@ -106,11 +112,10 @@ class Request:
     messages: list[dict]
     output_len: int  # max_tokens, forced (ignore_eos)
     service_class: str = INTERACTIVE  # BATCH: sent with service_tier "flex" and priority 1
-    kind: str = "text"  # what it carries: text | image | long-text | multi-image | video | mixed
+    kind: str = "text"  # what it carries: text | image | long-text | multi-image | video
     at_s: float | None = None  # send offset from the phase's start; None: the run's arrival process decides
     # long-video's videos: sent once every other request streams, `video_interval_s` apart (load.run_requests)
     late: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # more body fields
 
     def body(self) -> dict[str, Any]:
         """The chat body (greedy, forced length). The class marks are sent only for slo-mix's classes:
@@ -119,21 +124,21 @@ class Request:
         if self.at_s is not None:  # a phase of classed requests (slo-mix)
             batch = self.service_class == BATCH
             body |= {"service_tier": "flex" if batch else "default", "priority": 1 if batch else 0}
-        return body | self.extra
+        return body
 
 
 def build_requests(cfg: ServeBenchConfig, seed: int, tokenizer: Any | None = None) -> list[Request]:
     """`cfg.workload`'s requests (`cfg` resolved: its images and frames per prompt filled in). `random`: text
     prompts of random length; `random-mm`: the same, each with `num_images` random images of `image_size`^2
-    pixels sent as data URLs and (num_frames > 0) one video of `num_frames` random `video_size`^2 frames sent as
-    an mp4 data URL (distinct per request: no cache hits); `prefix`: every prompt starts with the same
-    `num_images` images (the same pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text
-    of about `prefix_len` tokens, then a random text of its own; `long-video`: the `random` text prompts, then
-    `num_videos` requests of one video each (`num_frames` frames and a short question, VIDEO_OUTPUT_LEN tokens
-    out), marked `late`: they arrive while the texts decode."""
+    pixels and (num_frames > 0) one mp4 of `num_frames` random `video_size`^2 frames, as data URLs (distinct
+    per request: no cache hits); `prefix`: every prompt starts with the same `num_images` images (the same
+    pixels, so one mm_hash each: encoder- and prefix-cache hits), then the same text of about `prefix_len`
+    tokens, then a random text of its own; `long-video`: the `random` text prompts, then `num_videos` requests
+    of one video each (`num_frames` frames and a short question, VIDEO_OUTPUT_LEN tokens out), marked `late`:
+    they arrive while the texts decode."""
     workload, num_images, num_frames = cfg.workload, cfg.num_images or 0, cfg.num_frames or 0
-    if workload == "random-mm" and (num_images < 0 or num_frames < 0 or num_images + num_frames == 0):
-        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
+    if workload == "random-mm":
+        _check_media(num_images, num_frames)
     if workload == "prefix" and num_images < 0:
         raise ValueError("prefix: --num-images must not be negative")
     if workload == "long-video" and (cfg.num_videos < 1 or num_frames < 1):
@@ -142,54 +147,43 @@ def build_requests(cfg: ServeBenchConfig, seed: int, tokenizer: Any | None = Non
     np_rng = np.random.default_rng(seed)
     prefix = random_text(rng, cfg.prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
     video_size = cfg.video_size or 112
-
-    def image_parts() -> list[dict]:  # `num_images` fresh random images as content parts
-        return [image_part(image_data_url(np_rng, cfg.image_size, cfg.image_format)) for _ in range(num_images)]
-
-    # prefix: one set of images, in front of every prompt (the same data URL, hence the same pixels).
-    shared_images = image_parts() if workload == "prefix" else []
+    shared: list[dict] = []  # prefix: one set of images, in front of every prompt (the same data URLs: the same pixels)
+    if workload == "prefix":
+        shared = media_parts(np_rng, num_images, cfg.image_size, image_format=cfg.image_format)
     out = []
     for _ in range(cfg.num_prompts):
         text = prefix + random_text(rng, rng.randint(*cfg.input_len), tokenizer)
-        content: str | list[dict] = text
-        if shared_images:
-            content = [*shared_images, text_part(text)]
+        media = shared
         if workload == "random-mm":
-            content = image_parts()  # then the video: the images are drawn first
-            content += [video_part(video_data_url(np_rng, num_frames, video_size))] if num_frames else []
-            content.append(text_part(text))
-        out.append(Request([{"role": "user", "content": content}], rng.randint(*cfg.output_len)))
-    if workload == "long-video":
-        for j in range(cfg.num_videos):
-            content = [video_part(video_data_url(np_rng, num_frames, video_size)), text_part(f"What happens in clip {j}?")]
-            out.append(Request([{"role": "user", "content": content}], VIDEO_OUTPUT_LEN, late=True))
+            media = media_parts(np_rng, num_images, cfg.image_size, num_frames, video_size, cfg.image_format)
+        out.append(Request(user(text, media), rng.randint(*cfg.output_len)))
+    for j in range(cfg.num_videos if workload == "long-video" else 0):
+        video = media_parts(np_rng, frames=num_frames, video_size=video_size)
+        out.append(Request(user(f"What happens in clip {j}?", video), VIDEO_OUTPUT_LEN, late=True))
     return out
 
 
 def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> list[Request]:
-    """The batch backlog (all at offset 0) then the chats at Poisson offsets within `duration_s`."""
+    """The batch backlog (all at offset 0: long text, multi-image and video jobs in turn) then the chats at
+    Poisson offsets within `duration_s`."""
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
     out = []
     for i in range(cfg.num_batch):
         kind = ("long-text", "multi-image", "video")[i % 3]
+        # drawn for every job (long-text uses it), so a seed's jobs stay as they were
         text = "Summarise this document.\n" + random_text(rng, rng.randint(*cfg.batch_input_len), tokenizer)
+        media: list[dict] = []
         if kind == "multi-image":
-            parts = [image_part(image_data_url(np_rng, cfg.image_size)) for _ in range(cfg.batch_images)]
-            content: str | list[dict] = [*parts, text_part("Compare these images.")]
+            text, media = "Compare these images.", media_parts(np_rng, cfg.batch_images, cfg.image_size)
         elif kind == "video":
-            url = video_data_url(np_rng, cfg.video_frames, cfg.video_size)
-            content = [video_part(url), text_part("Describe what happens in the video.")]
-        else:
-            content = text
-        messages = [{"role": "user", "content": content}]
-        out.append(Request(messages, rng.randint(*cfg.batch_output_len), BATCH, kind, at_s=0.0))
-    t = 0.0
-    while True:
-        t += float(np_rng.exponential(1.0 / load))
-        if t >= cfg.duration_s:
-            break
+            text = "Describe what happens in the video."
+            media = media_parts(np_rng, frames=cfg.video_frames, video_size=cfg.video_size)
+        out.append(Request(user(text, media), rng.randint(*cfg.batch_output_len), BATCH, kind, at_s=0.0))
+    t = float(np_rng.exponential(1.0 / load))
+    while t < cfg.duration_s:
         out.append(_chat(cfg, rng, np_rng, tokenizer, t))
+        t += float(np_rng.exponential(1.0 / load))
     return out
 
 
@@ -200,36 +194,35 @@ def build_chats(cfg: MixConfig, n: int, seed: int, tokenizer: Any | None) -> lis
     return [_chat(cfg, rng, np_rng, tokenizer, 0.0) for _ in range(n)]
 
 
-def _chat(
-    cfg: MixConfig, rng: random.Random, np_rng: np.random.Generator, tokenizer: Any | None, at_s: float
-) -> Request:
+def _chat(cfg: MixConfig, rng: random.Random, np_rng: np.random.Generator, tokenizer: Any | None,
+          at_s: float) -> Request:  # fmt: skip
     text = random_text(rng, rng.randint(*cfg.chat_input_len), tokenizer)
-    image = rng.random() < cfg.chat_image_share
-    content = [image_part(image_data_url(np_rng, cfg.image_size)), text_part(text)] if image else text
-    messages = [{"role": "user", "content": content}]
-    return Request(messages, rng.randint(*cfg.chat_output_len), INTERACTIVE, "image" if image else "text", at_s=at_s)
+    images = int(rng.random() < cfg.chat_image_share)  # a chat is text, or one image and text
+    media = media_parts(np_rng, images, cfg.image_size)
+    return Request(user(text, media), rng.randint(*cfg.chat_output_len), INTERACTIVE, "image" if images else "text",
+                   at_s=at_s)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------- offline workloads
+_IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+_VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def image_prompt(size: int, seed: int) -> dict:
     """One random image as a PNG, as a client sends it (bytes to decode), with a short question."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(random_pixels(np.random.default_rng(seed), size)).save(buf, format="PNG")
-    return {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Describe the image.", "images": [buf.getvalue()]}
+    pixels = random_pixels(np.random.default_rng(seed), size)
+    return {"prompt": _IMAGE_MARK + "Describe the image.", "images": [_image_bytes(pixels)]}
 
 
 def video_prompt(num_frames: int, size: int, seed: int) -> dict:
     """One video of `num_frames` frames ([T, H, W, 3] uint8, as decoded) with a short question."""
     frames = video_frames(np.random.default_rng(seed), num_frames, size)
-    return {"prompt": "<|vision_start|><|video_pad|><|vision_end|>Describe the video.", "videos": [frames]}
+    return {"prompt": _VIDEO_MARK + "Describe the video.", "videos": [frames]}
 
 
 @dataclass(frozen=True)
 class Workload:
+    """An offline workload: `bench throughput`'s systems all run exactly these requests."""
+
     prompts: list[list[int]]  # token ids as the engine sees them (media placeholders expanded)
     output_lens: list[int]
     # random-mm / long-video: per request the chat-templated text with placeholders and its images (PIL)
@@ -253,42 +246,21 @@ class Workload:
         return self.mm_prompts is None or self.mm_prompts[i] is None
 
 
-def random_workload(
-    vocab_size: int, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
-) -> Workload:
-    rng = random.Random(seed)
-    # Ids well inside the vocabulary, away from the special tokens at its end.
-    prompts = [
-        [rng.randrange(100, vocab_size - 200) for _ in range(rng.randint(*input_len))]
-        for _ in range(num_prompts)
-    ]
-    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_prompts)])
+def _random_ids(rng: random.Random, vocab_size: int, n: int) -> list[int]:
+    return [rng.randrange(100, vocab_size - 200) for _ in range(n)]
 
 
-def prefix_workload(
-    vocab_size: int,
-    num_prompts: int,
-    prefix_len: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    seed: int = 0,
-) -> Workload:
-    """Every prompt starts with the same `prefix_len` tokens, then a random suffix (prefix-cache hits)."""
+def random_workload(vocab_size: int, c: ThroughputBenchConfig, seed: int) -> Workload:
+    """`c.num_prompts` prompts of random ids, well inside the vocabulary (away from its special tokens)."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(100, vocab_size - 200) for _ in range(prefix_len)]
-    base = random_workload(vocab_size, num_prompts, input_len, output_len, seed + 1)
-    return Workload([prefix + p for p in base.prompts], base.output_lens)
+    prompts = [_random_ids(rng, vocab_size, rng.randint(*c.input_len)) for _ in range(c.num_prompts)]
+    return Workload(prompts, [rng.randint(*c.output_len) for _ in range(c.num_prompts)])
 
 
 def _template(body: str) -> str:
-    return (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-        f"{body}<|im_end|>\n<|im_start|>assistant\n"
-    )
-
-
-_IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
-_VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
+    """`body` as the user's turn in the Qwen chat template."""
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    return f"{system}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
@@ -308,11 +280,14 @@ def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
 
 
 def offline_workload(model_dir: Path, c: ThroughputBenchConfig, vocab_size: int) -> Workload:
-    """`c.workload`'s requests as the engine sees them (`c` resolved)."""
+    """`c.workload`'s requests as the engine sees them (`c` resolved). `random`: random ids; `prefix`: every
+    prompt starts with the same `prefix_len` random ids, then a random suffix (prefix-cache hits)."""
     if c.workload == "random":
-        return random_workload(vocab_size, c.num_prompts, c.input_len, c.output_len, c.seed)
+        return random_workload(vocab_size, c, c.seed)
     if c.workload == "prefix":
-        return prefix_workload(vocab_size, c.num_prompts, c.prefix_len, c.input_len, c.output_len, c.seed)
+        prefix = _random_ids(random.Random(c.seed), vocab_size, c.prefix_len)
+        base = random_workload(vocab_size, c, c.seed + 1)
+        return Workload([prefix + p for p in base.prompts], base.output_lens)
     if c.workload == "random-mm":
         return random_mm_workload(model_dir, c)
     return long_video_workload(model_dir, vocab_size, c)
@@ -323,19 +298,15 @@ def random_mm_workload(model_dir: Path, c: ThroughputBenchConfig) -> Workload:
     of `num_frames` random `video_size`^2 frames, all distinct (no cache hits), and a random text."""
     from PIL import Image
 
-    num_images, image_size, num_frames, video_size = c.num_images, c.image_size, c.num_frames or 0, c.video_size or 112
-    if num_images < 0 or num_frames < 0 or num_images + num_frames == 0:
-        raise ValueError("random-mm needs images (--num-images) or a video (--num-frames), none negative")
+    num_images, num_frames = c.num_images, c.num_frames or 0
+    _check_media(num_images, num_frames)
     rng = random.Random(c.seed)
     np_rng = np.random.default_rng(c.seed)
     words = "red blue green circle square shape image count colour left right top bottom".split()
     mm_prompts: list[dict | None] = []
     for _ in range(c.num_prompts):
-        images = [
-            Image.fromarray(np_rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8))
-            for _ in range(num_images)
-        ]
-        videos = [video_frames(np_rng, num_frames, video_size)] if num_frames else []
+        images = [Image.fromarray(random_pixels(np_rng, c.image_size)) for _ in range(num_images)]
+        videos = [video_frames(np_rng, num_frames, c.video_size or 112)] if num_frames else []
         text = " ".join(rng.choice(words) for _ in range(rng.randint(*c.input_len)))
         marks = _IMAGE_MARK * num_images + _VIDEO_MARK * len(videos)
         mm_prompts.append({"prompt": _template(marks + text), "images": images, "videos": videos})
@@ -353,22 +324,18 @@ def long_video_workload(model_dir: Path, vocab_size: int, c: ThroughputBenchConf
     Text outputs are the random lengths plus enough steps to outlast every video's chunked prefill
     (budget left beside the decodes, or the encoder budget, whichever is smaller), so the videos
     always arrive into a steady set of decodes."""
-    num_prompts, num_videos, num_frames, interval_steps = c.num_prompts, c.num_videos, c.num_frames or 0, c.video_interval_steps
+    num_prompts, num_videos, num_frames = c.num_prompts, c.num_videos, c.num_frames or 0
     budget = c.max_num_batched_tokens or 0
-    if num_videos < 1 or num_frames < 1 or interval_steps < 1:
+    if num_videos < 1 or num_frames < 1 or c.video_interval_steps < 1:
         raise ValueError("long-video needs --num-videos, --num-frames and --video-interval-steps >= 1")
-    text = random_workload(vocab_size, num_prompts, c.input_len, c.output_len, c.seed)
+    text = random_workload(vocab_size, c, c.seed)
     np_rng = np.random.default_rng(c.seed + 1)
-    videos = [
-        {
-            "prompt": _template(_VIDEO_MARK + f"What happens in clip {j}?"),
-            "videos": [video_frames(np_rng, num_frames, c.video_size or 224)],
-        }
-        for j in range(num_videos)
-    ]
+    videos = [{"prompt": _template(_VIDEO_MARK + f"What happens in clip {j}?"),
+               "videos": [video_frames(np_rng, num_frames, c.video_size or 224)]}
+              for j in range(num_videos)]  # fmt: skip
     video_ids, video_tokens = _expand(model_dir, videos)
     first = -(-text.num_prompt_tokens // budget) + FIRST_VIDEO_STEP
-    arrivals = [first + j * interval_steps for j in range(num_videos)]
+    arrivals = [first + j * c.video_interval_steps for j in range(num_videos)]
     per_step = max(1, min(budget - num_prompts, c.max_num_encoder_tokens or budget))
     prefill_steps = sum(-(-len(p) // per_step) for p in video_ids)
     cover = arrivals[-1] + prefill_steps + VIDEO_OUTPUT_LEN
