@@ -6,6 +6,7 @@ module; each test starts its own router (a Rust binary: it starts in well under 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -21,20 +22,15 @@ from mmserve.bench.metrics import RequestTiming
 from mmserve.bench.router import (
     SERVED_MODEL_NAME,
     FamilyRequest,
-    KVEventLog,
-    Replica,
     RouterProcess,
     family_stickiness,
     last_full_block,
-    start_replicas,
-    vllm_router_binary,
+    running,
 )
 from mmserve.bench.workload import Request
+from tests.router_harness import KVEventLog, Replica
 
-try:
-    vllm_router_binary()
-except RuntimeError:  # pragma: no cover - the test extra installs it
-    pytest.skip("vllm-router is not installed", allow_module_level=True)
+pytest.importorskip("vllm_router", reason="vllm-router is not installed (the test extra installs it)")
 
 pytestmark = pytest.mark.timeout(600)
 BLOCK = 16
@@ -48,22 +44,15 @@ def model(tiny_model_dir: Callable[[str], Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def replicas(model: Path) -> Iterator[list[Replica]]:
-    started = start_replicas(model, 2, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK)
-    try:
+    with running([Replica(model, NUM_KV_BLOCKS, BLOCK) for _ in range(2)]) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.close()
 
 
 @pytest.fixture
 def events(replicas: list[Replica]) -> Iterator[KVEventLog]:
-    log = KVEventLog(replicas)
-    try:
-        log.wait_until_subscribed()
+    with contextlib.closing(KVEventLog(replicas)) as log:
+        log.wait_for_snapshots()  # subscribed: the log starts from the replicas' real state
         yield log
-    finally:
-        log.close()
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -177,11 +166,11 @@ def test_kv_events_announce_exactly_the_prompt_blocks_the_allocator_hashed(
     assert not prompt_blocks & other.stored_blocks
 
 
-def test_power_of_two_reads_each_replicas_load(replicas: list[Replica], model: Path) -> None:
+def test_power_of_two_reads_each_replicas_load(replicas: list[Replica]) -> None:
     """vllm-router's power_of_two polls GET /get_load on every worker (-1 when a worker lacks it)."""
     url = replicas[0].url
     assert httpx.get(url + "/get_load").json() == {"load": 0, "num_requests_running": 0, "num_requests_waiting": 0}
-    router = RouterProcess("power_of_two", replicas, model)
+    router = RouterProcess("power_of_two", replicas)
     try:
         # A stream long enough to be running at the router's next poll (about once a second); on a machine fast
         # enough to finish it first, another one, a few times.
@@ -210,11 +199,11 @@ def test_power_of_two_reads_each_replicas_load(replicas: list[Replica], model: P
 # -- routing -----------------------------------------------------------------------------------------------
 
 
-def test_round_robin_forwards_chat_and_streams_to_both_replicas(replicas: list[Replica], model: Path) -> None:
+def test_round_robin_forwards_chat_and_streams_to_both_replicas(replicas: list[Replica]) -> None:
     import json
 
     counts = [finished(r.url) for r in replicas]
-    router = RouterProcess("round_robin", replicas, model)
+    router = RouterProcess("round_robin", replicas)
     try:
         for i in range(4):
             r = httpx.post(router.url + "/v1/chat/completions", json=chat(f"hello {i}"), timeout=60)
@@ -235,10 +224,10 @@ def test_round_robin_forwards_chat_and_streams_to_both_replicas(replicas: list[R
 
 
 def test_cache_aware_keeps_each_prefix_family_on_one_replica_under_concurrency(
-    replicas: list[Replica], model: Path, events: KVEventLog
+    replicas: list[Replica], events: KVEventLog
 ) -> None:
     requests = text_families(seed=1, num_families=4, per_family=5)
-    router = RouterProcess("cache_aware", replicas, model)
+    router = RouterProcess("cache_aware", replicas)
     try:
         timings = asyncio.run(run_all(router.url, requests, concurrency=4))
     finally:
@@ -251,7 +240,7 @@ def test_cache_aware_keeps_each_prefix_family_on_one_replica_under_concurrency(
 
 
 def test_kv_aware_routes_each_family_to_the_replica_whose_kv_events_hold_its_prefix(
-    replicas: list[Replica], model: Path, events: KVEventLog
+    replicas: list[Replica], events: KVEventLog
 ) -> None:
     """Each family's prefix is put on a replica of the test's choosing, straight to that replica and before the
     router starts (a router restarted after the caches filled): only the cache snapshot each replica sends a
@@ -268,7 +257,7 @@ def test_kv_aware_routes_each_family_to_the_replica_whose_kv_events_hold_its_pre
     homes = served_by(events, replicas[0].url, list(warm.values()))
     assert homes == [[home[f]] for f in warm], "the warm-up prefixes are not where the test put them"
     cleared = events.num_cleared()
-    router = RouterProcess("kv_aware", replicas, model)
+    router = RouterProcess("kv_aware", replicas)
     try:
         events.wait_for_snapshots(cleared)  # sent to every subscriber when the router's subscription arrived
         time.sleep(0.3)  # and applied by the router
@@ -289,10 +278,8 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
-def test_a_killed_replica_fails_only_its_own_streams_and_rejoins_when_restarted(
-    replicas: list[Replica], model: Path
-) -> None:
-    router = RouterProcess("round_robin", replicas, model, extra_args=("--retry-max-retries", "5"))
+def test_a_killed_replica_fails_only_its_own_streams_and_rejoins_when_restarted(replicas: list[Replica]) -> None:
+    router = RouterProcess("round_robin", replicas, extra_args=("--retry-max-retries", "5"))
     try:
         # A long stream through the router, then its replica dies under it: the client sees the stream end.
         body = {**chat("tell me a long story", max_tokens=400), "stream": True, "ignore_eos": True}
@@ -367,7 +354,7 @@ def test_bench_serve_runs_through_the_router_and_sums_every_replicas_caches(
     def queries() -> float:
         return sum(metrics(r.url).get("mmserve:prefix_cache_queries_total", 0.0) for r in replicas)
 
-    router = RouterProcess("round_robin", replicas, model)
+    router = RouterProcess("round_robin", replicas)
     try:
         before = queries()
         cfg = ServeBenchConfig(url=router.url, transports=("http",), num_prompts=6, input_len=(8, 24),
