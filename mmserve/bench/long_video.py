@@ -1,9 +1,6 @@
-"""`mmserve bench long-video`: how much a long video prefill disturbs running decodes. Text requests
-decode while a video of many temporal groups arrives; the step times while it prefills (each one an
-inter-token gap of every decode: decodes are in every step) and the video's time to first token are
-reported for each step-time target (`--max-step-ms`; 0: fixed token budgets) with encoder chunking on
-(groups encoded as the prefill reaches them), and once with it off (the whole video encoded in one
-step, as vLLM does)."""
+"""`mmserve bench long-video`: how much one long video's prefill disturbs running text decodes: the step
+times (each an inter-token gap of every decode) and the video's TTFT, per step-time target (`--max-step-ms`;
+0: fixed token budgets) with encoder chunking on, and once off (the video encoded in one step, as vLLM)."""
 
 from __future__ import annotations
 
@@ -13,51 +10,63 @@ from dataclasses import asdict
 from pathlib import Path
 
 from mmserve import LLM, SamplingParams
-from mmserve.bench import LongVideoBenchConfig
+from mmserve.bench import LongVideoBenchConfig, num, summary, table
 from mmserve.bench.workload import video_prompt
-from mmserve.engine.messages import StepRecord
+from mmserve.engine.messages import EngineCoreOutputs, StepRecord
 
 
-def run_once(model_dir: Path, cfg: LongVideoBenchConfig, chunk_encoder: bool, max_step_ms: float | None) -> dict:
+def step_engine(llm: LLM) -> EngineCoreOutputs:
+    """One engine step driven by hand (also by `bench throughput --workload long-video`), its record kept in
+    `llm.step_records` as generate() keeps them."""
+    core_outputs = llm.engine.step()
+    if core_outputs.step is not None:
+        llm.step_records.append(core_outputs.step)
+    return core_outputs
+
+
+def step_timeline(steps: list[StepRecord]) -> list[dict]:
+    """Each step's time and token mix, as the JSON reports and the timeline plot take them (also used by
+    `bench throughput --workload long-video`)."""
+    return [{"duration_s": s.duration_s, "encoder_duration_s": s.encoder_duration_s,
+             "decode_tokens": s.num_decode_tokens, "prefill_tokens": s.num_prefill_tokens,
+             "encoder_tokens": s.num_encoder_tokens} for s in steps]  # fmt: skip
+
+
+def run_once(
+    model_dir: Path, cfg: LongVideoBenchConfig, chunk_encoder: bool, max_step_ms: float | None
+) -> dict:
     """`cfg.num_decodes` decodes running, then the video added: every step until its first token."""
     llm = LLM(model_dir, dtype=cfg.dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
               max_num_encoder_tokens=cfg.max_num_encoder_tokens, chunk_encoder=chunk_encoder,
               encoder_cache_size=1 << 20, max_step_ms=max_step_ms)  # fmt: skip
-    num_decodes, frame_size = cfg.num_decodes, cfg.frame_size
-    engine, processor = llm.engine, llm.processor
-    llm.generate([video_prompt(4, frame_size, 1)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    llm.generate(video_prompt(4, cfg.frame_size, 1), SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     decode = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
-    for i in range(num_decodes):
-        request, _ = processor.process(f"Tell story number {i} about a red circle.", decode, f"d{i}")
-        engine.add_request(request)
-    for _ in range(4):  # all decodes running
-        engine.step()
-    video, _ = processor.process(
-        video_prompt(cfg.num_frames, frame_size, 2), SamplingParams(max_tokens=1), "video"
-    )
-    # One input holding every group (Qwen2/2.5-VL), or one input per group (Qwen3-VL: timestamps between them).
-    num_groups = sum(mm.num_groups for mm in video.mm_inputs)
-    video_tokens = sum(mm.placeholder.length for mm in video.mm_inputs)
+    for i in range(cfg.num_decodes):
+        prompt = f"Tell story number {i} about a red circle."
+        llm.engine.add_request(llm.processor.process(prompt, decode, f"d{i}")[0])
+    started: set[str] = set()
+    while len(started) < cfg.num_decodes:  # until every decode is past its prefill (the target may slow it)
+        started.update(o.request_id for o in llm.engine.step().outputs)
+    clip = video_prompt(cfg.num_frames, cfg.frame_size, 2)
+    video = llm.processor.process(clip, SamplingParams(max_tokens=1), "video")[0]
+    llm.step_records.clear()
     added = time.perf_counter()
-    engine.add_request(video)
-    steps: list[StepRecord] = []
-    while True:
-        step = engine.step()
-        if step.step is not None:
-            steps.append(step.step)
-        if any(o.request_id == "video" and o.finished for o in step.outputs):
-            break
+    llm.engine.add_request(video)
+    while not any(o.request_id == "video" and o.finished for o in step_engine(llm).outputs):
+        pass  # the decodes and the video's prefill step on until its first (and only) token
     video_ttft_s = time.perf_counter() - added
-    engine.abort_requests([f"d{i}" for i in range(num_decodes)])
+    llm.engine.abort_requests([f"d{i}" for i in range(cfg.num_decodes)])
     llm.close()
+    steps = list(llm.step_records)
     times = [s.duration_s for s in steps]
     return {
         "chunk_encoder": chunk_encoder,
         "max_step_ms": max_step_ms,
         "video_ttft_s": video_ttft_s,
         "max_over_target": max(times) / (max_step_ms / 1e3) if max_step_ms else None,
-        "temporal_groups": num_groups,
-        "video_tokens": video_tokens,
+        # One input holding every group (Qwen2/2.5-VL), or one input per group (Qwen3-VL: timestamps between).
+        "temporal_groups": sum(mm.num_groups for mm in video.mm_inputs),
+        "video_tokens": sum(mm.placeholder.length for mm in video.mm_inputs),
         "steps": len(steps),
         "max_step_s": max(times),
         "median_step_s": statistics.median(times),
@@ -68,31 +77,13 @@ def run_once(model_dir: Path, cfg: LongVideoBenchConfig, chunk_encoder: bool, ma
     }
 
 
-def step_timeline(steps: list[StepRecord]) -> list[dict]:
-    """Each step's time and token mix, as the JSON reports and the timeline plot take them (also used
-    by `bench throughput --workload long-video`)."""
-    return [
-        {
-            "duration_s": s.duration_s,
-            "encoder_duration_s": s.encoder_duration_s,
-            "decode_tokens": s.num_decode_tokens,
-            "prefill_tokens": s.num_prefill_tokens,
-            "encoder_tokens": s.num_encoder_tokens,
-        }
-        for s in steps
-    ]
-
-
 def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig) -> dict:
     """One chunked run per `max_step_ms` (0: fixed token budgets), then, with `whole`, the video encoded
     whole under the first of them."""
-    first = cfg.max_step_ms[0] or None
-    runs = [(True, m or None) for m in cfg.max_step_ms] + ([(False, first)] if cfg.whole else [])
+    runs = [(True, m or None) for m in cfg.max_step_ms]
+    runs += [(False, cfg.max_step_ms[0] or None)] if cfg.whole else []
     results = [run_once(model_dir, cfg, chunk, step_ms) for chunk, step_ms in runs]
-    report = {
-        "config": {**asdict(cfg), "model": str(model_dir)},
-        "runs": results,
-    }
+    report = {"config": {**asdict(cfg), "model": str(model_dir)}, "runs": results}
     if cfg.whole:
         report["max_step_ratio_off_over_on"] = results[-1]["max_step_s"] / results[0]["max_step_s"]
     return report
@@ -105,15 +96,12 @@ def run_label(run: dict) -> str:
 
 
 def format_report(report: dict) -> str:
-    lines = [
-        f"{'run':<42}{'groups':>7}{'steps':>7}{'max step ms':>13}{'median ms':>11}{'max/median':>12}"
-        f"{'video TTFT s':>14}"
-    ]
-    for r in report["runs"]:
-        lines.append(
-            f"{run_label(r):<42}{r['temporal_groups']:>7}{r['steps']:>7}{r['max_step_s'] * 1e3:>13.1f}"
-            f"{r['median_step_s'] * 1e3:>11.1f}{r['max_over_median']:>12.2f}{r['video_ttft_s']:>14.2f}"
-        )
-    if "max_step_ratio_off_over_on" in report:
-        lines.append(f"max step, encoder chunking off / on: {report['max_step_ratio_off_over_on']:.2f}x")
-    return "\n".join(lines)
+    rows = [(run_label(r), r["temporal_groups"], r["steps"], num(r["max_step_s"] * 1e3),
+             num(r["median_step_s"] * 1e3), num(r["max_over_median"], ".2f"),
+             num(r["max_over_target"], ".2f"), num(r["video_ttft_s"], ".2f"))
+            for r in report["runs"]]  # fmt: skip
+    text = table(("run", "groups", "steps", "max step ms", "median ms", "max/median", "max/target",
+                  "video TTFT s"), rows)  # fmt: skip
+    if (ratio := report.get("max_step_ratio_off_over_on")) is not None:
+        text += "\n" + summary([("Max step, encoder chunking off / on:", num(ratio, ".2f"))])
+    return text

@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def cpu_model() -> str:
@@ -18,6 +22,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, T, float]:
+    """(wall seconds, fn(), this process's CPU seconds over the same span: all its threads)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    result = fn()
+    return time.perf_counter() - start, result, time.process_time() - cpu_start
 
 
 def cpu_times() -> tuple[float, float, list[int] | None]:
