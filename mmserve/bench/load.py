@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.bench import TRANSPORTS
-from mmserve.bench.metrics import RequestTiming
+from mmserve.bench.metrics import RequestTiming, core_loop_figures
 from mmserve.bench.workload import Request, user
 
 # On a text of its own: no prefix- or encoder-cache hits for the measured requests.
@@ -227,6 +227,26 @@ async def scrape_cache_counters(client: Any, base_urls: Sequence[str]) -> dict[s
     return values
 
 
+async def scrape_core_loop(client: Any, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """The engine-core process's loop counters from the server's /metrics: seconds inside steps, on io and idle,
+    steps, bytes sent to the front ends (None: no answer, or the core runs in-process and has none)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get(f"{base_url}/metrics", headers=headers)
+        samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
+    except (httpx.HTTPError, ValueError):
+        return None
+    found: dict[str, float] = {}
+    for sample in samples:
+        if sample.name == "mmserve:engine_core_loop_seconds_total":
+            found[sample.labels.get("part", "")] = sample.value
+        elif sample.name in ("mmserve:engine_core_steps_total", "mmserve:engine_core_bytes_out_total"):
+            found[sample.name.removeprefix("mmserve:").removesuffix("_total")] = sample.value
+    return found if {"step", "io", "idle", "engine_core_steps", "engine_core_bytes_out"} <= set(found) else None
+
+
 def cache_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
     """What the server's caches did between two scrapes: tokens looked up and found in the prefix
     cache and the encoder (mm) cache, and each hit rate; every figure None when a scrape failed."""
@@ -247,11 +267,12 @@ async def run_requests(
     burstiness: float = 1.0, max_concurrency: int | None = None, api_key: str | None = None, seed: int = 0,
     progress: bool = True, num_sockets: int | None = None, media_source: str = "data-url",
     first_alone: bool = False, video_interval_s: float = 2.0, metrics_urls: Sequence[str] | None = None,
-    warm_up: bool = True, model: str = "bench",
+    warm_up: bool = True, model: str = "bench", loop_url: str | None = None,
 ) -> tuple[list[RequestTiming], float, dict]:  # fmt: skip
     """Send every request (with `warm_up`, WARM_UP first, not counted); returns the timings (in `requests`'
-    order), the duration (first send to last end) and the server's cache figures over the run (`cache_figures`),
-    summed over the servers at `metrics_urls` (default: `url`; behind a router, every replica).
+    order), the duration (first send to last end) and the server's figures over that span: its cache figures
+    (`cache_figures`) summed over the servers at `metrics_urls` (default: `url`; behind a router, every replica),
+    and with `loop_url` the engine-core loop of the server there (`core_loop_figures`, when it reports one).
 
     Requests go at the arrival process's times (`request_rate`, `burstiness`, `seed`), or, when they carry
     `at_s` (all of them), each at its own offset from the start. `first_alone`: request 0 goes alone and the
@@ -290,6 +311,7 @@ async def run_requests(
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         before = await scrape_cache_counters(client, metrics_urls or [url])
+        loop_before = await scrape_core_loop(client, loop_url, headers) if loop_url is not None else None
         start = time.perf_counter()
 
         async def one(i: int) -> RequestTiming:
@@ -320,4 +342,8 @@ async def run_requests(
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         figures = cache_figures(before, await scrape_cache_counters(client, metrics_urls or [url]))
+        loop_after = await scrape_core_loop(client, loop_url, headers) if loop_url is not None else None
+        if loop_after is not None:  # before the core's first step it reports no loop times yet: zeros then
+            figures["engine_core_loop"] = core_loop_figures(loop_before or dict.fromkeys(loop_after, 0.0), loop_after,
+                                                            duration)  # fmt: skip
     return list(timings), duration, figures

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench import ServeBenchConfig, num, summary, table
-from mmserve.bench.load import WARM_UP, auth_headers, run_requests, served_model
+from mmserve.bench.load import WARM_UP, run_requests, served_model
 from mmserve.bench.metrics import (
     RequestTiming,
     compute_metrics,
@@ -73,13 +73,13 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
     shared with the clients). With several `metrics_url`s (a router's replicas; a router answers /metrics
     from one of them) the cache figures are their sum, and no engine-core loop figures are reported.
 
-    Each round draws the workload afresh (seed + round x transports), so nothing of an earlier round is in
-    the server's caches; in `prefix` each transport draws its own (+ its index). mmserve and the peers get
-    the same requests. `prefix` sends request 0 alone first (see `load.run_requests`), a cold miss whose
+    Each round and transport draws the workload afresh (seed + round x transports + the transport's index), so
+    no run finds another's prompts in the server's caches; mmserve and the peers get the same requests. `prefix` sends request 0 alone first (see `load.run_requests`), a cold miss whose
     prefix the others repeat; their TTFTs are reported apart (`first_vs_repeats_ttft`). `long-video`'s
     figures carry `video_interference`; `compare_no_chunk` runs everything again on a server that prefills
     whole and encodes each video in one step (as vLLM without chunked prefill; its token budget raised to
-    the longest prompt), under "<transport>/no-chunk". `offline`: afterwards, draw 0 through
+    the longest prompt), under "<transport>/no-chunk". `offline`: afterwards, draw 0 (the first transport's
+    first round) through
     `offline_baseline`, and each key's throughputs over its own as `*_over_offline`."""
     cfg = cfg.resolved()
     goodput_slos = parse_goodput(cfg.goodput) or None
@@ -124,7 +124,7 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
                 for (index, transport), target in itertools.product(enumerate(transports), targets):
                     if transport not in target.transports:
                         continue
-                    requests = draw(round_index * len(transports) + (index if cfg.workload == "prefix" else 0))
+                    requests = draw(round_index * len(transports) + index)
                     timings, figures = _run(target, transport, requests, cfg, goodput_slos, progress)
                     longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
                     key = target.key.format(transport)
@@ -172,22 +172,19 @@ def _run(target: _Target, transport: str, requests: list[Request], cfg: ServeBen
          goodput_slos: dict[str, float] | None, progress: bool) -> tuple[list[RequestTiming], dict]:
     """One timed run of `requests` on `target` over `transport`: the timings and their figures (vLLM's metrics,
     the workload's own, the server's cache hit rates and engine-core loop where it reports them, errors)."""
-    loop_before = _core_loop(target.loop_url, target.api_key) if target.loop_url is not None else None
-    timings, duration, cache = asyncio.run(run_requests(
+    timings, duration, server_figures = asyncio.run(run_requests(
         target.url, requests, transport, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, target.api_key,
         cfg.seed, progress, media_source=cfg.media_source, first_alone=cfg.workload == "prefix",
-        video_interval_s=cfg.video_interval_s, metrics_urls=target.metrics_urls, model=target.model))  # fmt: skip
+        video_interval_s=cfg.video_interval_s, metrics_urls=target.metrics_urls, model=target.model,
+        loop_url=target.loop_url))  # fmt: skip
     figures = compute_metrics(timings, duration, goodput_slos)
     if cfg.workload == "prefix":
         figures |= first_vs_repeats_ttft(timings)
     if cfg.workload == "long-video":
         texts = sum(not r.late for r in requests)  # the videos are late, after every text
         figures |= video_interference(timings[:texts], timings[texts:])
-    figures |= cache
+    figures |= server_figures
     figures["errors"] = sorted({t.error for t in timings if t.error})[:10]
-    loop_after = _core_loop(target.loop_url, target.api_key) if target.loop_url is not None else None
-    if loop_after is not None:  # before the first step the server reports no loop times yet
-        figures["engine_core_loop"] = _loop_figures(loop_before, loop_after, duration)
     return timings, figures
 
 
@@ -224,38 +221,6 @@ def _chunk_comparison(results: dict[str, dict], transport: str) -> dict | None:
         out[f"{q}_text_itl_in_window_chunk_over_no_chunk"] = ratio(chunk.get(key), whole.get(key))
     out["output_throughput_no_chunk_over_chunk"] = ratio(whole["output_throughput"], chunk["output_throughput"])
     return out
-
-
-def _core_loop(base_url: str, api_key: str | None) -> dict[str, float] | None:
-    """The engine-core process's loop counters from /metrics: seconds in steps, on io and idle, steps,
-    bytes sent out (None: the core runs in-process)."""
-    import httpx
-
-    try:
-        text = httpx.get(f"{base_url}/metrics", headers=auth_headers(api_key), timeout=30).text
-    except httpx.HTTPError:
-        return None
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        value = line.rsplit(" ", 1)[-1]
-        if line.startswith("mmserve:engine_core_loop_seconds_total{"):
-            found |= {part: float(value) for part in ("step", "io", "idle") if f'part="{part}"' in line}
-        for name in ("engine_core_steps", "engine_core_bytes_out"):
-            if line.startswith(f"mmserve:{name}_total{{"):
-                found[name] = float(value)
-    return found if len(found) == 5 else None
-
-
-def _loop_figures(before: dict[str, float] | None, after: dict[str, float], duration_s: float) -> dict[str, float | None]:
-    """Over one timed run of `duration_s`: the shares of it the core loop spent inside steps and on
-    messages (the rest it waited), and what crossing the boundary cost per step (the core's io:
-    decoding messages in, encoding and sending outputs). `before` None: nothing had run yet."""
-    d = {k: after[k] - (before[k] if before is not None else 0.0) for k in after}
-    step, io, steps = d["step"], d["io"], d["engine_core_steps"]
-    return {"step_share": ratio(step, duration_s), "io_share": ratio(io, duration_s),
-            "idle_share": max(0.0, 1.0 - (step + io) / duration_s) if duration_s else None,
-            "steps": steps, "step_ms": ratio(1e3 * step, steps), "io_us_per_step": ratio(1e6 * io, steps),
-            "bytes_out_per_step": ratio(d["engine_core_bytes_out"], steps), "io_over_step_time": ratio(io, step)}
 
 
 def format_report(report: dict) -> str:
