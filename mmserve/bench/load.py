@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.bench import TRANSPORTS
-from mmserve.bench.metrics import RequestTiming, core_loop_figures
+from mmserve.bench.metrics import RequestTiming, core_loop_figures, ratio
 from mmserve.bench.workload import Request, user
 
 # On a text of its own: no prefix- or encoder-cache hits for the measured requests.
@@ -200,65 +200,39 @@ async def arrivals(n: int, request_rate: float, burstiness: float, seed: int) ->
 CACHE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
 
 
-async def scrape_cache_counters(client: Any, base_urls: Sequence[str]) -> dict[str, float] | None:
-    """The cache counters of the servers at `base_urls` (every replica behind a router, or one server), summed
-    over labels and servers; None when one's /metrics does not answer or lacks one (not an mmserve server).
-    Server-wide: other clients' requests count too."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, float] = {}
-    for base_url in base_urls:
-        try:
-            r = await client.get(f"{base_url}/metrics")
-            if r.status_code != 200:
-                return None
-            samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
-        except (httpx.HTTPError, ValueError):
-            return None
-        found = set()
-        for sample in samples:
-            name = sample.name.removeprefix("mmserve:").removesuffix("_total")
-            if sample.name.startswith("mmserve:") and name in CACHE_COUNTERS:
-                values[name] = values.get(name, 0.0) + sample.value
-                found.add(name)
-        if len(found) != len(CACHE_COUNTERS):
-            return None
-    return values
-
-
-async def scrape_core_loop(client: Any, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
-    """The engine-core process's loop counters from the server's /metrics: seconds inside steps, on io and idle,
-    steps, bytes sent to the front ends (None: no answer, or the core runs in-process and has none)."""
+async def scrape_counters(client: Any, base_url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The server's counters from its /metrics (`mmserve:NAME_total`), by NAME summed over their labels but
+    `part` (the engine-core loop's seconds: `engine_core_loop_seconds:step`...); {} when /metrics does not
+    answer (not an mmserve server). Server-wide: other clients' requests count too."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         r = await client.get(f"{base_url}/metrics", headers=headers)
+        r.raise_for_status()
         samples = [s for family in text_string_to_metric_families(r.text) for s in family.samples]
     except (httpx.HTTPError, ValueError):
-        return None
-    found: dict[str, float] = {}
+        return {}
+    counters: dict[str, float] = {}
     for sample in samples:
-        if sample.name == "mmserve:engine_core_loop_seconds_total":
-            found[sample.labels.get("part", "")] = sample.value
-        elif sample.name in ("mmserve:engine_core_steps_total", "mmserve:engine_core_bytes_out_total"):
-            found[sample.name.removeprefix("mmserve:").removesuffix("_total")] = sample.value
-    return found if {"step", "io", "idle", "engine_core_steps", "engine_core_bytes_out"} <= set(found) else None
+        if sample.name.startswith("mmserve:") and sample.name.endswith("_total"):
+            name = sample.name.removeprefix("mmserve:").removesuffix("_total")
+            name += f":{sample.labels['part']}" if "part" in sample.labels else ""
+            counters[name] = counters.get(name, 0.0) + sample.value
+    return counters
 
 
-def cache_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
-    """What the server's caches did between two scrapes: tokens looked up and found in the prefix
-    cache and the encoder (mm) cache, and each hit rate; every figure None when a scrape failed."""
+def cache_figures(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> dict:
+    """What the servers' caches did between two scrapes of each (`scrape_counters`), summed over the servers:
+    tokens looked up and found in the prefix cache and the encoder (mm) cache, and each hit rate; every figure
+    None when a scrape lacks a counter (a server that did not answer, or is not mmserve)."""
+    complete = all(set(CACHE_COUNTERS) <= c.keys() for c in (*before, *after))
     figures: dict[str, float | None] = {}
     for cache in ("prefix_cache", "mm_cache"):
-        queries = hits = None
-        if before is not None and after is not None:
-            queries = after[f"{cache}_queries"] - before[f"{cache}_queries"]
-            hits = after[f"{cache}_hits"] - before[f"{cache}_hits"]
-        figures[f"server_{cache}_queries"] = queries
-        figures[f"server_{cache}_hits"] = hits
-        figures[f"server_{cache}_hit_rate"] = hits / queries if queries and hits is not None else None
+        queries, hits = ((sum(a[f"{cache}_{k}"] - b[f"{cache}_{k}"] for a, b in zip(after, before, strict=True))
+                          for k in ("queries", "hits")) if complete else (None, None))  # fmt: skip
+        figures |= {f"server_{cache}_queries": queries, f"server_{cache}_hits": hits,
+                    f"server_{cache}_hit_rate": ratio(hits, queries)}  # fmt: skip
     return figures
 
 
@@ -310,8 +284,9 @@ async def run_requests(
             warm = await send(WARM_UP)
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
-        before = await scrape_cache_counters(client, metrics_urls or [url])
-        loop_before = await scrape_core_loop(client, loop_url, headers) if loop_url is not None else None
+        cache_urls = list(dict.fromkeys(metrics_urls or [url]))
+        scraped = set(cache_urls) | ({loop_url} if loop_url else set())  # the servers whose counters count
+        before = {u: await scrape_counters(client, u, headers) for u in scraped}
         start = time.perf_counter()
 
         async def one(i: int) -> RequestTiming:
@@ -341,9 +316,8 @@ async def run_requests(
                 tasks.append(asyncio.create_task(one(i)))
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-        figures = cache_figures(before, await scrape_cache_counters(client, metrics_urls or [url]))
-        loop_after = await scrape_core_loop(client, loop_url, headers) if loop_url is not None else None
-        if loop_after is not None:  # before the core's first step it reports no loop times yet: zeros then
-            figures["engine_core_loop"] = core_loop_figures(loop_before or dict.fromkeys(loop_after, 0.0), loop_after,
-                                                            duration)  # fmt: skip
+        after = {u: await scrape_counters(client, u, headers) for u in scraped}
+    figures = cache_figures([before[u] for u in cache_urls], [after[u] for u in cache_urls])
+    if loop_url is not None:  # the loop's figures where its core reports them (a core in its own process)
+        figures |= core_loop_figures(before[loop_url], after[loop_url], duration)
     return list(timings), duration, figures

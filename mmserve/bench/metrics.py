@@ -151,16 +151,21 @@ def video_interference(texts: Sequence[RequestTiming], videos: Sequence[RequestT
                   "video_ttft_max_ms": percentile_ms(ttfts, 100.0)}  # fmt: skip
 
 
-def core_loop_figures(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, float | None]:
-    """Over a timed span of `duration_s` between two scrapes of the engine-core loop's counters (load.scrape_core_loop):
-    the shares of it the loop spent inside steps and on messages (the rest it waited), and what crossing the
-    process boundary cost per step (the core's io: decoding messages in, encoding and sending outputs)."""
-    d = {k: after[k] - before[k] for k in after}
-    step, io, steps = d["step"], d["io"], d["engine_core_steps"]
-    return {"step_share": ratio(step, duration_s), "io_share": ratio(io, duration_s),
-            "idle_share": max(0.0, 1.0 - (step + io) / duration_s) if duration_s else None,
-            "steps": steps, "step_ms": ratio(1e3 * step, steps), "io_us_per_step": ratio(1e6 * io, steps),
-            "bytes_out_per_step": ratio(d["engine_core_bytes_out"], steps), "io_over_step_time": ratio(io, step)}  # fmt: skip
+def core_loop_figures(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, dict]:
+    """{"engine_core_loop": ...} over a timed span of `duration_s` between two scrapes of a server's counters
+    (load.scrape_counters): the shares of it the core loop spent inside steps and on messages (the rest it waited),
+    and what crossing the process boundary cost per step (the core's io: decoding messages in, encoding and
+    sending outputs). {} when the server has no engine-core process (no loop counters)."""
+    names = ("engine_core_loop_seconds:step", "engine_core_loop_seconds:io", "engine_core_steps", "engine_core_bytes_out")
+    if not all(name in after for name in names):
+        return {}
+    # a counter the core had not reported yet when the span began (no step before it) started at zero
+    step, io, steps, bytes_out = (after[name] - before.get(name, 0.0) for name in names)
+    return {"engine_core_loop": {
+        "step_share": ratio(step, duration_s), "io_share": ratio(io, duration_s),
+        "idle_share": max(0.0, 1.0 - (step + io) / duration_s) if duration_s else None, "steps": steps,
+        "step_ms": ratio(1e3 * step, steps), "io_us_per_step": ratio(1e6 * io, steps),
+        "bytes_out_per_step": ratio(bytes_out, steps), "io_over_step_time": ratio(io, step)}}  # fmt: skip
 
 
 def stat_list(m: dict, key: str, stats: Sequence[str]) -> str:
