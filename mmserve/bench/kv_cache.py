@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from mmserve import LLM, SamplingParams
 from mmserve.bench import KVCacheBenchConfig, num, table
 from mmserve.bench.machine import cpu_model
+from mmserve.bench.metrics import greedy_agreement
 from mmserve.engine.core import DTYPES
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.models.config import DecoderConfig
@@ -107,23 +108,14 @@ def _accuracy_and_capacity(
     }
 
 
-def _agreement(
-    outputs: list[tuple[list[int], dict[int, float]]], reference: list[tuple[list[int], dict[int, float]]]
-) -> dict[str, float]:
-    """Greedy-token agreement (tokens before the first difference, over all tokens), the share of identical
-    continuations, and mean |logprob difference| of the reference's first token (both saw the same prompt)."""
-    matched = total = same = 0
-    diffs = []
-    for (tokens, first), (ref_tokens, ref_first) in zip(outputs, reference, strict=True):
-        prefix = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=False)) if a != b), min(len(tokens), len(ref_tokens)))
-        matched, total, same = matched + prefix, total + len(ref_tokens), same + (tokens == ref_tokens)
-        token = ref_tokens[0]
-        diffs.append(abs(first.get(token, min(first.values())) - ref_first[token]))
-    return {
-        "greedy_token_agreement": matched / max(1, total),
-        "identical_outputs": same / max(1, len(outputs)),
-        "first_token_mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)),
-    }
+def _agreement(outputs: list[tuple[list[int], dict[int, float]]],
+               reference: list[tuple[list[int], dict[int, float]]]) -> dict[str, float]:  # fmt: skip
+    """`greedy_agreement`, and the mean |logprob difference| of the reference's first token (both saw the same
+    prompt; a token outside the top 20 counts the 20th's logprob)."""
+    diffs = [abs(first.get(ref[0], min(first.values())) - ref_first[ref[0]])
+             for (_, first), (ref, ref_first) in zip(outputs, reference, strict=True)]  # fmt: skip
+    return {**greedy_agreement([o for o, _ in outputs], [r for r, _ in reference]),
+            "first_token_mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs))}  # fmt: skip
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -151,6 +151,15 @@ def video_interference(texts: Sequence[RequestTiming], videos: Sequence[RequestT
                   "video_ttft_max_ms": percentile_ms(ttfts, 100.0)}  # fmt: skip
 
 
+def greedy_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Greedy token ids of an engine against a reference engine's on the same prompts: the tokens before each
+    output's first difference over all the reference's tokens, and the share of identical outputs."""
+    matched = sum(next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+                  for out, ref in zip(outputs, reference, strict=True))  # fmt: skip
+    return {"greedy_token_agreement": matched / max(1, sum(map(len, reference))),
+            "identical_outputs": sum(list(o) == list(r) for o, r in zip(outputs, reference, strict=True)) / max(1, len(outputs))}  # fmt: skip
+
+
 def core_loop_figures(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, dict]:
     """{"engine_core_loop": ...} over a timed span of `duration_s` between two scrapes of a server's counters
     (load.scrape_counters): the shares of it the core loop spent inside steps and on messages (the rest it waited),

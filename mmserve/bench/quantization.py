@@ -18,6 +18,7 @@ from typing import Any
 
 from mmserve.bench import BENCH_FORMATS, QuantizationBenchConfig, num, table  # noqa: F401  (BENCH_FORMATS: tests check it)
 from mmserve.bench.machine import cpu_model
+from mmserve.bench.metrics import greedy_agreement
 
 _PLAIN_IDS = 4000  # prompt ids drawn below this and below the first special token's id
 
@@ -142,10 +143,6 @@ def _accuracy(llm: Any, prompts: list[list[int]], outputs: list[tuple[list[int],
     """Free-running agreement with the dense model's greedy outputs, and teacher-forced logprob differences."""
     from mmserve import SamplingParams
 
-    matched = total = same = 0
-    for (tokens, _), (ref_tokens, _) in zip(outputs, reference, strict=True):
-        prefix = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), len(ref_tokens))
-        matched, total, same = matched + prefix, total + len(ref_tokens), same + (tokens == ref_tokens)
     forced = [p + ref[:i] for p, (ref, _) in zip(prompts, reference, strict=True) for i in range(len(ref))]
     expected = [(ref[i], lps[i]) for ref, lps in reference for i in range(len(ref))]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=20)
@@ -155,8 +152,7 @@ def _accuracy(llm: Any, prompts: list[list[int]], outputs: list[tuple[list[int],
         diffs.append(abs(got.get(token, min(got.values())) - logprob))  # outside the top 20: at least that far
         top1 += out.token_ids[0] == token
     return {
-        "greedy_token_agreement": matched / max(1, total),
-        "identical_outputs": same / max(1, len(outputs)),
+        **greedy_agreement([t for t, _ in outputs], [t for t, _ in reference]),
         "teacher_forced_top1_agreement": top1 / max(1, len(expected)),
         "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)),
         "max_abs_logprob_diff": max(diffs, default=0.0),
