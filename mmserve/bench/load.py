@@ -86,64 +86,29 @@ async def send_http(client: Any, base_url: str, req: Request, headers: dict,
 
 @contextlib.asynccontextmanager
 async def ws_pool(url: str, size: int, api_key: str | None) -> AsyncIterator[Send]:
-    """`size` WebSocket chat sockets shared by all requests, as a `Send`: each request is one `response.create`
-    on the next socket in turn. A reader per socket routes each event to its response's queue, with its arrival time."""
-    from websockets.asyncio.client import connect
+    """`size` WebSocket chat sessions (the SDK's `AsyncChatSession`) shared by all requests, as a `Send`: each
+    request is one `response.create` on the next session in turn, its deltas timed as they reach it."""
+    from mmserve.client.async_session import AsyncChatSession
 
-    queues: dict[str, asyncio.Queue] = {}  # response id -> its (arrival, event)s
-    sockets: list[Any] = []
-    readers: list[asyncio.Task] = []
     ids = itertools.count()
 
-    async def read(ws: Any) -> None:
-        try:
-            async for message in ws:
-                now = time.perf_counter()
-                event = json.loads(message)
-                rid = event.get("response_id") or (event.get("response") or {}).get("id")
-                if rid in queues:
-                    queues[rid].put_nowait((now, event))
-        except Exception as exc:  # socket gone: fail whatever is still waiting on it
-            for queue in queues.values():
-                queue.put_nowait((time.perf_counter(), {"type": "error", "error": {"message": str(exc)}}))
-
     async def send(req: Request, first_token: asyncio.Event | None = None) -> RequestTiming:
-        n = next(ids)
-        rid, ws = f"b{n}", sockets[n % len(sockets)]
-        queue = queues[rid] = asyncio.Queue()
         stream = _Stream(first_token)
         try:
-            await ws.send(json.dumps({"type": "response.create", "response": {"id": rid, **req.body()}}))
-            while True:
-                now, event = await queue.get()
-                kind = event.get("type")
-                if kind == "response.output_text.delta" and event.get("delta"):
-                    stream.delta(now)
-                elif kind == "error":
-                    raise RuntimeError(event["error"].get("message", "error event"))
-                elif kind == "response.done":
-                    response = event["response"]
-                    if response.get("status") == "failed":
-                        raise RuntimeError(f"response failed: {response.get('error')}")
-                    return stream.done(now, response.get("usage") or {})
+            response = await sessions[next(ids) % size].send(**req.body())
+            async for delta in response:
+                if delta:
+                    stream.delta(time.perf_counter())
+            if response.status == "failed" or response.result is None:
+                raise RuntimeError(f"response failed: {response.result}")
+            return stream.done(time.perf_counter(), response.usage.model_dump() if response.usage else {})
         except Exception as exc:
             return stream.failed(exc)
-        finally:
-            queues.pop(rid, None)
 
-    ws_url = url.replace("http://", "ws://", 1).replace("https://", "wss://", 1) + "/v1/chat/ws"
-    try:
-        for _ in range(size):
-            ws = await connect(ws_url, additional_headers=auth_headers(api_key), max_size=None, open_timeout=30)
-            sockets.append(ws)
-            readers.append(asyncio.create_task(read(ws)))
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(AsyncChatSession(url, api_key, open_timeout=30.0))
+                    for _ in range(size)]  # fmt: skip
         yield send
-    finally:
-        for ws in sockets:
-            await ws.close()
-        for task in readers:
-            task.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
 
 
 async def upload_media(client: Any, base_url: str, requests: list[Request], headers: dict) -> list[Request]:
