@@ -111,31 +111,30 @@ async def ws_pool(url: str, size: int, api_key: str | None) -> AsyncIterator[Sen
         yield send
 
 
-async def upload_media(client: Any, base_url: str, requests: list[Request], headers: dict) -> list[Request]:
-    """`--media-source upload`: upload each distinct data-URL image or video once (before timing) and
-    refer to it by id; a URL repeated across requests (the prefix workload's images) shares one file."""
+async def upload_media(base_url: str, requests: list[Request], api_key: str | None) -> list[Request]:
+    """`--media-source upload`: upload each distinct data-URL image or video once (before timing, through the
+    SDK's `files.create`) and refer to it by id; a URL repeated across requests (the prefix workload's images)
+    shares one file."""
+    from mmserve.client import AsyncClient
+
     file_ids: dict[str, str] = {}  # data URL -> uploaded file id
+    async with AsyncClient(base_url, api_key, max_retries=0) as sdk:
 
-    async def by_id(part: dict) -> dict:
-        kind = part["type"]  # "text" | "image_url" | "video_url"
-        url = part[kind]["url"] if kind != "text" else ""
-        if not url.startswith("data:"):
-            return part
-        if url not in file_ids:
-            name, mime = ("bench.png", "image/png") if kind == "image_url" else ("bench.mp4", "video/mp4")
-            file = (name, base64.b64decode(url.split(",", 1)[1]), mime)
-            r = await client.post(f"{base_url}/v1/files", files={"file": file}, data={"purpose": "vision"},
-                                  headers=headers)  # fmt: skip
-            if r.status_code != 200:
-                raise RuntimeError(f"upload failed: HTTP {r.status_code}: {r.text[:200]}")
-            file_ids[url] = r.json()["id"]
-        return {"type": kind, kind: {"url": file_ids[url]}}
+        async def by_id(part: dict) -> dict:
+            kind = part["type"]  # "text" | "image_url" | "video_url"
+            url = part[kind]["url"] if kind != "text" else ""
+            if not url.startswith("data:"):
+                return part
+            if url not in file_ids:
+                file = ("bench.png" if kind == "image_url" else "bench.mp4", base64.b64decode(url.split(",", 1)[1]))
+                file_ids[url] = (await sdk.files.create(file=file, purpose="vision")).id
+            return {"type": kind, kind: {"url": file_ids[url]}}
 
-    out = []
-    for req in requests:  # a message's content: a text, or a list of parts
-        messages = [{**m, "content": [await by_id(part) for part in m["content"]]}
-                    if isinstance(m["content"], list) else m for m in req.messages]  # fmt: skip
-        out.append(dataclasses.replace(req, messages=messages))
+        out = []
+        for req in requests:  # a message's content: a text, or a list of parts
+            messages = [{**m, "content": [await by_id(part) for part in m["content"]]}
+                        if isinstance(m["content"], list) else m for m in req.messages]  # fmt: skip
+            out.append(dataclasses.replace(req, messages=messages))
     return out
 
 
@@ -239,7 +238,7 @@ async def run_requests(
         limits = httpx.Limits(max_connections=limit + 4)
         client = await stack.enter_async_context(httpx.AsyncClient(timeout=None, limits=limits))
         if media_source == "upload":
-            requests = await upload_media(client, url, requests, headers)
+            requests = await upload_media(url, requests, api_key)
         send: Send
         if transport == "ws":
             send = await stack.enter_async_context(ws_pool(url, num_sockets or min(limit, 64), api_key))
