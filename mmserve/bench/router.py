@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,17 +25,11 @@ import zmq
 from mmserve.bench import RouterBenchConfig, num, table
 from mmserve.bench.load import run_requests
 from mmserve.bench.metrics import compute_metrics, ratio
-from mmserve.bench.servers import ServerProcess, wait_until_healthy
-from mmserve.bench.workload import Request, image_data_url, image_part, load_tokenizer, random_text, text_part
+from mmserve.bench.servers import ServerProcess, free_port, wait_until_healthy
+from mmserve.bench.workload import Request, load_tokenizer, media_parts, random_text, user
 from mmserve.scheduler.kv_cache_manager import hash_block
 
 SERVED_MODEL_NAME = "bench"  # the replicas' model name: what clients send and the router's KV events model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:
@@ -46,8 +39,7 @@ class Replica:
     def __init__(self, model: Path, num_kv_blocks: int = 256, block_size: int = 16) -> None:
         self.model, self.block_size, self.port = model, block_size, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.events_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.events_endpoint, self.replay_endpoint = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
         events = msgspec.json.encode({"enable_kv_cache_events": True, "endpoint": self.events_endpoint,
                                       "replay_endpoint": self.replay_endpoint}).decode()  # fmt: skip
         self.args = ("--kv-events-config", events, "--vllm-metric-names", "--decode-workers", "1",
@@ -94,17 +86,14 @@ class RouterProcess:
                "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
                "--health-failure-threshold", "1", "--health-success-threshold", "1"]  # fmt: skip
         if policy == "kv_aware":
-            cmd += ["--kv-event-model", SERVED_MODEL_NAME,
-                    "--kv-event-block-size", str(replicas[0].block_size)]  # fmt: skip
+            cmd += ["--kv-event-model", SERVED_MODEL_NAME, "--kv-event-block-size", str(replicas[0].block_size)]
             for r in replicas:
                 cmd += ["--kv-event-source", f"{r.url}={r.events_endpoint}",
                         "--kv-event-replay-source", f"{r.url}={r.replay_endpoint}"]  # fmt: skip
-        self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-router-")  # its log
-        log_path = Path(self._tmp.name) / "router.log"
-        self._log = log_path.open("w")
+        self._log = tempfile.NamedTemporaryFile("w", prefix="mmserve-router-", suffix=".log")  # noqa: SIM115
         self.proc = subprocess.Popen([*cmd, *extra_args], stdout=self._log, stderr=subprocess.STDOUT)
         try:  # /health is 200 once every worker is healthy (503 naming the others before)
-            wait_until_healthy(self.proc, self.url, 60.0, log_path, "vllm-router")
+            wait_until_healthy(self.proc, self.url, 60.0, Path(self._log.name), "vllm-router")
         except BaseException:
             self.close()
             raise
@@ -113,7 +102,6 @@ class RouterProcess:
         self.proc.kill()  # no graceful stop needed: it keeps nothing and starts no children
         self.proc.wait()
         self._log.close()
-        self._tmp.cleanup()
 
 
 @dataclass
@@ -209,12 +197,11 @@ def family_requests(cfg: RouterBenchConfig, media: str, seed: int, tokenizer: An
     rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     out: list[FamilyRequest] = []
     for f in range(cfg.num_families):
-        image = image_data_url(np_rng, cfg.image_size) if media == "image" else None
+        image = media_parts(np_rng, int(media == "image"), cfg.image_size)  # one image part, or none
         system = {"role": "system", "content": random_text(rng, cfg.system_len, tokenizer)}
         for i in range(cfg.requests_per_family):
             text = f"Request {seed}-{f}-{i}: " + random_text(rng, cfg.user_len, tokenizer)
-            user = text if image is None else [image_part(image), text_part(text)]
-            out.append(FamilyRequest(f, Request([system, {"role": "user", "content": user}], cfg.output_len)))
+            out.append(FamilyRequest(f, Request([system, *user(text, image)], cfg.output_len)))
     rng.shuffle(out)
     return out
 
@@ -260,7 +247,6 @@ def run_policy(policy: str, replicas: list[Replica], requests: list[FamilyReques
                 metrics_urls=[r.url for r in replicas], model=SERVED_MODEL_NAME,
                 warm_up=False, progress=False))  # fmt: skip
         served = log.wait_for_blocks(blocks)  # per request, the replicas that announced its block
-        # every batch decoded and every stored hash verified
         chains_ok = all(r.chains_ok and not r.num_decode_errors for r in log.by_url.values())
         return {"policy": policy, **compute_metrics(timings, duration), **caches,
                 "requests_per_replica": dict(Counter(s[0] if len(s) == 1 else "unknown" for s in served)),
@@ -280,13 +266,10 @@ def bench_router(model: Path, cfg: RouterBenchConfig) -> dict:
             results.setdefault(media, {})[policy] = run_policy(policy, replicas, requests, cfg.concurrency)
     ratios = {"output_throughput": "output_throughput",  # each ratio's name -> its figure
               "prefix_cache_hit_rate": "server_prefix_cache_hit_rate", "ttft_median": "median_ttft_ms"}  # fmt: skip
-    vs_round_robin = {
-        media: {policy: {name: ratio(r[key], by_policy["round_robin"][key]) for name, key in ratios.items()}
-                for policy, r in by_policy.items()}
-        for media, by_policy in results.items() if "round_robin" in by_policy
-    }  # fmt: skip
-    config = {"model": str(model), **asdict(cfg)}
-    return {"config": config, "results": results, "vs_round_robin": vs_round_robin}
+    vs_round_robin = {media: {policy: {name: ratio(r[key], base[key]) for name, key in ratios.items()}
+                              for policy, r in by_policy.items()}
+                      for media, by_policy in results.items() if (base := by_policy.get("round_robin"))}  # fmt: skip
+    return {"config": {"model": str(model), **asdict(cfg)}, "results": results, "vs_round_robin": vs_round_robin}
 
 
 def format_report(report: dict) -> str:

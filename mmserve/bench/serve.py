@@ -5,6 +5,7 @@ formats of docs/api.md, never the engine's internals."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,7 +31,6 @@ from mmserve.bench.metrics import (
 from mmserve.bench.servers import InProcessServer, ServerProcess
 from mmserve.bench.workload import Request, build_requests, load_tokenizer
 
-# A key's headline figures in each round, listed under its `rounds` when there were several.
 _ROUND_FIGURES = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "failed")
 _PEER_FIGURES = ("output_throughput", "median_ttft_ms", "p99_itl_ms")  # compared with each peer's
 
@@ -48,22 +48,8 @@ def offline_baseline(model: Path, requests: list[Request], cfg: ServeBenchConfig
     start = time.perf_counter()
     outputs = llm.chat([r.messages for r in requests], params)
     duration = time.perf_counter() - start
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    output_tokens = sum(len(o.token_ids) for o in outputs)
-    return throughput_figures(len(outputs), prompt_tokens, output_tokens, duration)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Target:
-    """A server every round's requests go to."""
-
-    key: str  # its figures' key, "{}" for the transport: "{}" (mmserve), "{}/no-chunk", "NAME/{}" (a peer)
-    url: str
-    transports: tuple[str, ...]
-    api_key: str | None = None
-    model: str = "bench"  # what the requests ask for
-    metrics_urls: list[str] | None = None  # the servers whose /metrics the cache figures sum (None: url)
-    loop_url: str | None = None  # the server whose /metrics give the engine-core loop figures (None: none)
+    return throughput_figures(len(outputs), sum(len(o.prompt_token_ids) for o in outputs),
+                              sum(len(o.token_ids) for o in outputs), duration)  # fmt: skip
 
 
 def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | None = None,
@@ -73,14 +59,14 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
     shared with the clients). With several `metrics_url`s (a router's replicas; a router answers /metrics
     from one of them) the cache figures are their sum, and no engine-core loop figures are reported.
 
-    Each round and transport draws the workload afresh (seed + round x transports + the transport's index), so
-    no run finds another's prompts in the server's caches; mmserve and the peers get the same requests. `prefix` sends request 0 alone first (see `load.run_requests`), a cold miss whose
-    prefix the others repeat; their TTFTs are reported apart (`first_vs_repeats_ttft`). `long-video`'s
-    figures carry `video_interference`; `compare_no_chunk` runs everything again on a server that prefills
-    whole and encodes each video in one step (as vLLM without chunked prefill; its token budget raised to
-    the longest prompt), under "<transport>/no-chunk". `offline`: afterwards, draw 0 (the first transport's
-    first round) through
-    `offline_baseline`, and each key's throughputs over its own as `*_over_offline`."""
+    Each round and transport draws the workload afresh (seed + round x transports + the transport's index),
+    so no run finds another's prompts in the server's caches; mmserve and the peers get the same requests.
+    `prefix` sends request 0 alone first (see `load.run_requests`), a cold miss whose prefix the others
+    repeat; their TTFTs are reported apart (`first_vs_repeats_ttft`). `long-video`'s figures carry
+    `video_interference`; `compare_no_chunk` runs everything again on a server that prefills whole and
+    encodes each video in one step (as vLLM without chunked prefill; its token budget raised to the longest
+    prompt), under "<transport>/no-chunk". `offline`: afterwards, draw 0 (the first transport's first round)
+    through `offline_baseline`, and each key's throughputs over its own as `*_over_offline`."""
     cfg = cfg.resolved()
     goodput_slos = parse_goodput(cfg.goodput) or None
     tokenizer = load_tokenizer(model)
@@ -95,10 +81,11 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
     if cfg.url is not None and cfg.offline and model is None:
         raise ValueError("the offline baseline needs --model (the server's checkpoint)")
     peers = [_peer(i, spec) for i, spec in enumerate(cfg.peer)]
-    # Peers speak the OpenAI HTTP API only: with peers, mmserve runs HTTP too, on the same requests.
+    # Peers speak the OpenAI HTTP API only: with peers, mmserve runs HTTP too, on the same requests. A target:
+    # (its figures' key, "{}" the transport: "{}", "{}/no-chunk" or "NAME/{}"; `run_requests`' options for it).
     transports = cfg.transports + (("http",) if peers and "http" not in cfg.transports else ())
-    peer_targets = [_Target(f"{name}/{{}}", url, ("http",), model=served_model(url), metrics_urls=[url])
-                    for name, url in peers]  # fmt: skip
+    peer_targets: list[tuple[str, dict[str, Any]]] = [(f"{name}/{{}}", {"url": url, "model": served_model(url)})
+                                                      for name, url in peers]  # fmt: skip
     engine_kwargs: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                                      "max_num_encoder_tokens": cfg.max_num_encoder_tokens}  # fmt: skip
     metrics_urls = list(cfg.metrics_url) or None
@@ -109,33 +96,28 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
         if system == "no-chunk":  # whole prefills need a budget that holds the longest prompt
             engine_kwargs |= {"scheduler_policy": "no_chunk", "chunk_encoder": False,
                               "max_num_batched_tokens": max(cfg.max_num_batched_tokens, longest_prompt)}  # fmt: skip
-        server: InProcessServer | ServerProcess | None = None
-        if cfg.url is None:
-            assert model is not None
-            server = (ServerProcess(model, **engine_kwargs, api_server_count=cfg.api_server_count,
-                                    no_engine_process=not cfg.engine_process)
-                      if cfg.server_process else InProcessServer(model, **engine_kwargs))  # fmt: skip
-        url = (server.url if server is not None else str(cfg.url)).rstrip("/")
-        loop_url = url if not metrics_urls else metrics_urls[0] if len(metrics_urls) == 1 else None
-        targets = [_Target("{}" if system == "mmserve" else "{}/no-chunk", url, transports, api_key,
-                           metrics_urls=metrics_urls, loop_url=loop_url), *peer_targets]  # fmt: skip
-        try:
-            for round_index in range(cfg.repeats):
-                for (index, transport), target in itertools.product(enumerate(transports), targets):
-                    if transport not in target.transports:
-                        continue
-                    requests = draw(round_index * len(transports) + index)
-                    timings, figures = _run(target, transport, requests, cfg, goodput_slos, progress)
+        with contextlib.ExitStack() as stack:  # the server we start, closed on leaving
+            url = str(cfg.url).rstrip("/")
+            if cfg.url is None:
+                assert model is not None
+                url = stack.enter_context(contextlib.closing(
+                    ServerProcess(model, **engine_kwargs, api_server_count=cfg.api_server_count,
+                                  no_engine_process=not cfg.engine_process)
+                    if cfg.server_process else InProcessServer(model, **engine_kwargs))).url  # fmt: skip
+            loop_url = url if not metrics_urls else metrics_urls[0] if len(metrics_urls) == 1 else None
+            ours: tuple[str, dict[str, Any]] = ("{}" if system == "mmserve" else "{}/no-chunk", {
+                "url": url, "api_key": api_key, "metrics_urls": metrics_urls, "loop_url": loop_url})  # fmt: skip
+            for round_index, (index, transport) in itertools.product(range(cfg.repeats), enumerate(transports)):
+                requests = draw(round_index * len(transports) + index)
+                for key_format, server in [ours, *peer_targets] if transport == "http" else [ours]:
+                    timings, figures = _run(server, transport, requests, cfg, goodput_slos, progress)
                     longest_prompt = max([longest_prompt, *(t.prompt_tokens for t in timings)])
-                    key = target.key.format(transport)
+                    key = key_format.format(transport)
                     rounds.setdefault(key, []).append(figures)
-                    raw.setdefault(key, []).extend(
-                        {"round": round_index, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "e2el_s": t.e2el_s,
-                         "itls_s": t.itls_s, "output_tokens": t.output_tokens, "success": t.success}
+                    raw.setdefault(key, []).extend({
+                        "round": round_index, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "e2el_s": t.e2el_s,
+                        "itls_s": t.itls_s, "output_tokens": t.output_tokens, "success": t.success}
                         for t in timings)  # fmt: skip
-        finally:
-            if server is not None:
-                server.close()
     results = {key: _median_round(figures) for key, figures in rounds.items()}
     offline = None
     if cfg.offline:
@@ -160,39 +142,35 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
 
 def _peer(index: int, spec: str) -> tuple[str, str]:
     """--peer NAME=URL (or URL: peerN) -> (name, base URL)."""
-    name, sep, url = spec.partition("=")
-    if not sep:
-        name, url = f"peer{index + 1}", spec
+    name, url = spec.split("=", 1) if "=" in spec else (f"peer{index + 1}", spec)
     if not name or "/" in name or not url.startswith(("http://", "https://")):
         raise ValueError(f"--peer: expected NAME=URL or URL (http:// or https://), got {spec!r}")
     return name, url.rstrip("/")
 
 
-def _run(target: _Target, transport: str, requests: list[Request], cfg: ServeBenchConfig,
+def _run(server: dict[str, Any], transport: str, requests: list[Request], cfg: ServeBenchConfig,
          goodput_slos: dict[str, float] | None, progress: bool) -> tuple[list[RequestTiming], dict]:
-    """One timed run of `requests` on `target` over `transport`: the timings and their figures (vLLM's metrics,
-    the workload's own, the server's cache hit rates and engine-core loop where it reports them, errors)."""
+    """One timed run of `requests` over `transport` on the server `server` names (`run_requests`' url, api_key,
+    model, metrics_urls, loop_url): the timings and their figures (vLLM's metrics, the workload's own, the
+    server's cache hit rates and engine-core loop where it reports them, errors)."""
     timings, duration, server_figures = asyncio.run(run_requests(
-        target.url, requests, transport, cfg.request_rate, cfg.burstiness, cfg.max_concurrency, target.api_key,
-        cfg.seed, progress, media_source=cfg.media_source, first_alone=cfg.workload == "prefix",
-        video_interval_s=cfg.video_interval_s, metrics_urls=target.metrics_urls, model=target.model,
-        loop_url=target.loop_url))  # fmt: skip
+        requests=requests, transport=transport, request_rate=cfg.request_rate, burstiness=cfg.burstiness,
+        max_concurrency=cfg.max_concurrency, seed=cfg.seed, progress=progress, media_source=cfg.media_source,
+        first_alone=cfg.workload == "prefix", video_interval_s=cfg.video_interval_s, **server))  # fmt: skip
     figures = compute_metrics(timings, duration, goodput_slos)
     if cfg.workload == "prefix":
         figures |= first_vs_repeats_ttft(timings)
     if cfg.workload == "long-video":
         texts = sum(not r.late for r in requests)  # the videos are late, after every text
         figures |= video_interference(timings[:texts], timings[texts:])
-    figures |= server_figures
-    figures["errors"] = sorted({t.error for t in timings if t.error})[:10]
+    figures |= {**server_figures, "errors": sorted({t.error for t in timings if t.error})[:10]}
     return timings, figures
 
 
 def _median_round(rounds: list[dict]) -> dict:
     """One key's figures over the rounds: the round of median output throughput (the lower middle of an
     even count), with every round's headline figures under `rounds` when there were several."""
-    ranked = sorted(rounds, key=lambda r: r["output_throughput"])
-    figures = dict(ranked[(len(rounds) - 1) // 2])
+    figures = dict(sorted(rounds, key=lambda r: r["output_throughput"])[(len(rounds) - 1) // 2])
     if len(rounds) > 1:
         figures["rounds"] = [{k: r.get(k) for k in _ROUND_FIGURES} for r in rounds]
     return figures
@@ -209,18 +187,14 @@ def _peer_comparison(ours: list[dict], theirs: list[dict]) -> dict:
     return out
 
 
-def _chunk_comparison(results: dict[str, dict], transport: str) -> dict | None:
-    """long-video, chunked against no-chunk on `transport`: text ITL p99 and max while the videos were
-    in, and output throughput (above 1: chunking costs throughput)."""
-    chunk, whole = results.get(transport), results.get(f"{transport}/no-chunk")
-    if chunk is None or whole is None:
-        return None
-    out: dict[str, Any] = {"transport": transport}
-    for q in ("p99", "max"):
-        key = f"text_itl_in_window_{q}_ms"
-        out[f"{q}_text_itl_in_window_chunk_over_no_chunk"] = ratio(chunk.get(key), whole.get(key))
-    out["output_throughput_no_chunk_over_chunk"] = ratio(whole["output_throughput"], chunk["output_throughput"])
-    return out
+def _chunk_comparison(results: dict[str, dict], transport: str) -> dict:
+    """long-video, chunked against no-chunk on `transport` (both keys are in `results`): text ITL p99 and max
+    while the videos were in, and output throughput (above 1: chunking costs throughput)."""
+    chunk, whole = results[transport], results[f"{transport}/no-chunk"]
+    itl = {f"{q}_text_itl_in_window_chunk_over_no_chunk": f"text_itl_in_window_{q}_ms" for q in ("p99", "max")}
+    throughput = ratio(whole["output_throughput"], chunk["output_throughput"])
+    return {"transport": transport, **{name: ratio(chunk.get(k), whole.get(k)) for name, k in itl.items()},
+            "output_throughput_no_chunk_over_chunk": throughput}  # fmt: skip
 
 
 def format_report(report: dict) -> str:

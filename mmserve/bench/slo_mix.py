@@ -5,6 +5,7 @@ throughput and (`--sweep`) each policy's capacity. Speaks the HTTP API only, nev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import statistics
 from collections import Counter
@@ -23,11 +24,10 @@ QUICK_MIX = MixConfig().quick()  # what --quick runs
 _WARM_UP = replace(WARM_UP, at_s=0.0)  # a phase's requests all carry their offsets
 
 
-def run_phase(url: str, requests: list[Request]) -> tuple[list[tuple[Request, RequestTiming]], float]:
-    """Each request at its offset over streamed HTTP: (request, timing) pairs and the phase's duration (first
-    send to last finish)."""
-    timings, duration, _ = asyncio.run(run_requests(url, requests, "http", progress=False, warm_up=False))
-    return list(zip(requests, timings, strict=True)), duration
+def run_phase(url: str, requests: list[Request]) -> tuple[list[RequestTiming], float]:
+    """Each request at its offset over streamed HTTP: the timings (in `requests`' order) and the phase's
+    duration (first send to last finish)."""
+    return asyncio.run(run_requests(url, requests, "http", progress=False, warm_up=False))[:2]
 
 
 def phase_metrics(pairs: list[tuple[Request, RequestTiming]], duration_s: float, cfg: MixConfig) -> dict:
@@ -96,24 +96,17 @@ def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool
     then one batch job of each kind together (how long the machine takes to prefill them)."""
     chats = build_chats(cfg, CALIBRATION_ALONE + BURST_CHATS, cfg.seed + 10_000, tokenizer)
     jobs = build_mix(replace(cfg, num_batch=3), 1.0, cfg.seed + 20_000, tokenizer)[:3]
-    server = InProcessServer(model, **cfg.engine_kwargs("fcfs"))
-    try:
-        url = server.url.rstrip("/")
-        run_phase(url, [_WARM_UP])
-        alone = [run_phase(url, [c])[0][0][1] for c in chats[:CALIBRATION_ALONE]]
-        burst, duration = run_phase(url, chats[CALIBRATION_ALONE:])
-        batch = [t for _, t in run_phase(url, jobs)[0]]
-    finally:
-        server.close()
-    failed = [t.error for t in alone + [t for _, t in burst] + batch if not t.success]
-    if failed:
+    with contextlib.closing(InProcessServer(model, **cfg.engine_kwargs("fcfs"))) as server:
+        run_phase(server.url, [_WARM_UP])
+        alone = [run_phase(server.url, [c])[0][0] for c in chats[:CALIBRATION_ALONE]]
+        burst, duration = run_phase(server.url, chats[CALIBRATION_ALONE:])
+        batch = run_phase(server.url, jobs)[0]
+    if failed := [t.error for t in alone + burst + batch if not t.success]:
         raise RuntimeError(f"slo-mix calibration: requests failed: {failed[:3]}")
-    result = Calibration(
-        ttft_s=statistics.median(t.ttft_s for t in alone if t.ttft_s is not None),
-        tpot_s=statistics.median(t.tpot_s for t in alone if t.tpot_s is not None),
-        burst_rps=len(burst) / duration,
-        batch_prefill_s=max(t.ttft_s for t in batch if t.ttft_s is not None),
-    )
+    result = Calibration(ttft_s=statistics.median(t.ttft_s for t in alone if t.ttft_s is not None),
+                         tpot_s=statistics.median(t.tpot_s for t in alone if t.tpot_s is not None),
+                         burst_rps=len(burst) / duration,
+                         batch_prefill_s=max(t.ttft_s for t in batch if t.ttft_s is not None))  # fmt: skip
     if progress:
         print(f"slo-mix: calibrated: a chat alone TTFT {1000 * result.ttft_s:.0f} ms, TPOT {1000 * result.tpot_s:.1f} ms;"
               f" {result.burst_rps:.2f} chats/s in a burst of {len(burst)}; one batch job of each kind prefilled in "
@@ -152,44 +145,39 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
     calibration: Calibration | None = None
     start = cfg.loads[0]
     if sweep is not None:
-        if sweep.needs_calibration():
-            calibration = calibrate(model, cfg, tokenizer, progress)
+        calibration = calibrate(model, cfg, tokenizer, progress) if sweep.needs_calibration() else None
         start, ttft_ms, tbt_ms, num_batch = sweep.resolved(calibration, cfg.duration_s)
         cfg = replace(cfg, ttft_ms=ttft_ms, tbt_ms=tbt_ms, num_batch=num_batch)
         if progress:
             print(f"slo-mix: sweep from {start:g} chats/s, targets TTFT {cfg.ttft_ms:g} ms / TBT "
                   f"{cfg.tbt_ms:g} ms, {cfg.num_batch} batch jobs per load", flush=True)  # fmt: skip
-    servers: dict[str, InProcessServer] = {}
     phases: dict[str, dict[str, int]] = {}  # load -> its requests of each kind
     results: dict[str, dict[str, dict]] = {policy: {} for policy in cfg.policies}  # policy -> load -> figures
-    try:
-        for policy in cfg.policies:
-            servers[policy] = InProcessServer(model, **cfg.engine_kwargs(policy))
-            run_phase(servers[policy].url.rstrip("/"), [_WARM_UP])
-        met: list[bool] = []
+    met: list[bool] = []
+    with contextlib.ExitStack() as stack:  # every policy's server, up (and warm) for the whole run
+        urls = {p: stack.enter_context(contextlib.closing(InProcessServer(model, **cfg.engine_kwargs(p)))).url
+                for p in cfg.policies}  # fmt: skip
+        for url in urls.values():
+            run_phase(url, [_WARM_UP])
         for i, load in enumerate(load_ladder(cfg, sweep, start, met)):
             requests = build_mix(cfg, load, cfg.seed + i, tokenizer)
             key = f"{load:g}"
             phases[key] = dict(Counter(r.kind for r in requests))
-            for policy, server in servers.items():
-                pairs, duration = run_phase(server.url.rstrip("/"), requests)
-                m = results[policy][key] = phase_metrics(pairs, duration, cfg)
-                m["errors"] = sorted({t.error for _, t in pairs if t.error})[:5]
-                if progress:
-                    print(f"slo-mix: {policy} @ {key} chats/s: {_line(m)}", flush=True)
+            for policy, url in urls.items():
+                timings, duration = run_phase(url, requests)
+                m = results[policy][key] = phase_metrics(list(zip(requests, timings, strict=True)), duration, cfg)
+                m["errors"] = sorted({t.error for t in timings if t.error})[:5]
+                if progress:  # one phase in a line
+                    i, b = m[INTERACTIVE], m[BATCH]
+                    print(f"slo-mix: {policy} @ {key} chats/s: chat SLO {_percent(i['slo_attainment'])}, "
+                          f"TTFT p50/p99 {_ms(i, 'ttft', 'median', 'p99')} ms, TPOT p50/p99 "
+                          f"{_ms(i, 'tpot', 'median', 'p99')} ms; batch {b['throughput_tok_s']:.0f} tok/s, "
+                          f"TTFT p50 {_ms(b, 'ttft', 'median')} ms", flush=True)  # fmt: skip
             attainments = [by_load[key][INTERACTIVE]["slo_attainment"] for by_load in results.values()]
             met.append(sweep is not None and any(meets_bar(a, sweep.attainment) for a in attainments))
-    finally:
-        for server in servers.values():
-            server.close()
-    report: dict[str, Any] = {
-        "config": {**asdict(cfg), "model": str(model), "workload": "slo-mix"},
-        "phases": phases,
-        "results": results,
-    }
-    if sweep is not None:
-        report["sweep"] = sweep_summary(results, sweep, calibration)
-    return report
+    report = {"config": {**asdict(cfg), "model": str(model), "workload": "slo-mix"}, "phases": phases,
+              "results": results}  # fmt: skip
+    return report if sweep is None else report | {"sweep": sweep_summary(results, sweep, calibration)}
 
 
 def capacity_at(loads: list[float], attainments: list[float | None], bar: float) -> tuple[float, str]:
@@ -217,34 +205,25 @@ def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calib
     loads = sorted(next(iter(results.values())), key=float)
     rates = [float(x) for x in loads]
     fcfs = results.get("fcfs")
-
-    def attainment(by_load: dict[str, dict], load: str) -> float | None:
-        return by_load[load][INTERACTIVE]["slo_attainment"]
-
-    def capacity(by_load: dict[str, dict]) -> tuple[float, str]:
-        return capacity_at(rates, [attainment(by_load, x) for x in loads], sweep.attainment)
-
-    def vs_fcfs(by_load: dict[str, dict], cls: str, figure: str) -> dict[str, float | None]:  # load -> ratio
-        assert fcfs is not None
-        return {x: ratio(by_load[x][cls][figure], fcfs[x][cls][figure]) for x in loads}
-
+    attainments = {p: [by_load[x][INTERACTIVE]["slo_attainment"] for x in loads] for p, by_load in results.items()}
+    capacities = {p: capacity_at(rates, a, sweep.attainment) for p, a in attainments.items()}
     policies: dict[str, dict] = {}
     for policy, by_load in results.items():
-        rate, bound = capacity(by_load)
-        met = [x for x in loads if meets_bar(attainment(by_load, x), sweep.attainment)]
+        rate, bound = capacities[policy]
+        met = [x for x, a in zip(loads, attainments[policy], strict=True) if meets_bar(a, sweep.attainment)]
         entry = policies[policy] = {"capacity_rps": rate, "capacity_bound": bound,
                                     "capacity_load": float(met[-1]) if met else None}  # fmt: skip
-        if fcfs is not None:
-            fcfs_rate, fcfs_bound = capacity(fcfs)
-            batch = vs_fcfs(by_load, BATCH, "throughput_tok_s")
+        if fcfs is not None:  # goodput and batch throughput: load -> the policy's over fcfs's
+            goodput, batch = ({x: ratio(by_load[x][c][k], fcfs[x][c][k]) for x in loads}
+                              for c, k in ((INTERACTIVE, "goodput_rps"), (BATCH, "throughput_tok_s")))  # fmt: skip
+            fcfs_rate, fcfs_bound = capacities["fcfs"]
             known = bound != "below" and fcfs_bound == "interpolated"
-            entry |= {"goodput_vs_fcfs": vs_fcfs(by_load, INTERACTIVE, "goodput_rps"),
+            entry |= {"goodput_vs_fcfs": goodput,
                       "batch_throughput_vs_fcfs": batch,
                       "batch_throughput_vs_fcfs_at_capacity": batch[met[-1]] if met else None,
                       "capacity_vs_fcfs": rate / fcfs_rate if known else None}  # fmt: skip
-    calibrated = None if calibration is None else asdict(calibration)
     return {"attainment_bar": sweep.attainment, "factor": sweep.factor, "loads": rates,
-            "calibration": calibrated, "policies": policies}  # fmt: skip
+            "calibration": None if calibration is None else asdict(calibration), "policies": policies}  # fmt: skip
 
 
 def _percent(share: float | None) -> str:
@@ -254,14 +233,6 @@ def _percent(share: float | None) -> str:
 def _ms(m: dict, figure: str, *stats: str) -> str:
     """One class's `figure` (ttft, tpot) at each of `stats` (median, p90, ...), in whole ms, "/"-joined."""
     return "/".join(num(m[f"{stat}_{figure}_ms"], ".0f") for stat in stats)
-
-
-def _line(m: dict) -> str:
-    """One phase in a line (progress)."""
-    i, b = m[INTERACTIVE], m[BATCH]
-    return (f"chat SLO {_percent(i['slo_attainment'])}, TTFT p50/p99 {_ms(i, 'ttft', 'median', 'p99')} ms, "
-            f"TPOT p50/p99 {_ms(i, 'tpot', 'median', 'p99')} ms; batch {b['throughput_tok_s']:.0f} tok/s, "
-            f"TTFT p50 {_ms(b, 'ttft', 'median')} ms")  # fmt: skip
 
 
 def format_report(report: dict) -> str:
