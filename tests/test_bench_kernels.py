@@ -25,3 +25,13 @@ def test_bench_kernels_smoke_run(tmp_path: Path) -> None:
         assert r["triton_ms"] > 0 and r["sdpa_ms"] > 0 and r["kv_bytes"] > 0 and r["num_splits"] >= 1
     mixed = report["results"][2]
     assert (mixed["num_seqs"], mixed["num_tokens"], mixed["max_context"]) == (3, 22, 50)
+
+
+def test_bench_kernels_without_a_gpu_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover - the CPU machines have none
+        return
+    done = subprocess.run([sys.executable, "-m", "mmserve", "bench", "kernels"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "needs a CUDA device (or --smoke" in done.stderr

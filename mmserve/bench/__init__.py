@@ -541,7 +541,7 @@ class ProfileBenchConfig:
 
 @dataclass(frozen=True)
 class KernelsBenchConfig:
-    """`mmserve bench kernels` (or `python -m mmserve.bench.kernels`): the Triton paged attention against SDPA."""
+    """`mmserve bench kernels`: the Triton paged attention against SDPA."""
 
     smoke: bool = knob(False, "tiny shapes on the CPU in Triton's interpreter (checks the script only)")
 

@@ -74,16 +74,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _command(b, "quantization", "each quantized format (compressed-tensors fp8 / int8 / int4, AWQ, Qwen FP8) of one "
              "checkpoint on each compute path (dequantized, native) against the dense checkpoint: weight bytes, greedy "
              "agreement, logprob error, prefill and decode tok/s", QuantizationBenchConfig, "dense checkpoint " + _PRESET)
-    add_kernels_options(b.add_parser("kernels", help="Triton paged attention vs SDPA on a GPU"))  # fmt: skip
+    _command(b, "kernels", "Triton paged attention vs SDPA on a GPU", KernelsBenchConfig, None,
+             json_help="write the results here as JSON")  # fmt: skip
 
 
-def _command(bench_sub: argparse._SubParsersAction, name: str, help: str, config: type, model_help: str, *,
+def _command(bench_sub: argparse._SubParsersAction, name: str, help: str, config: type, model_help: str | None, *,
              json_help: str | None = _JSON, plot: str | None = None,
              progress: bool = False) -> argparse.ArgumentParser:  # fmt: skip
-    """A sub-command: --model, the config's options, then the shared ones asked for (each with its help);
-    --quick where the config has a `quick()` (its docstring is the option's help)."""
+    """A sub-command: --model (unless `model_help` is None), the config's options, then the shared ones asked
+    for (each with its help); --quick where the config has a `quick()` (its docstring is the option's help)."""
     p = bench_sub.add_parser(name, help=help)
-    p.add_argument("--model", type=Path, default=None, help=model_help)
+    if model_help is not None:
+        p.add_argument("--model", type=Path, default=None, help=model_help)
     add_config_options(p, config)
     if json_help is not None:
         p.add_argument("--json", type=Path, default=None, help=json_help)
@@ -94,12 +96,6 @@ def _command(bench_sub: argparse._SubParsersAction, name: str, help: str, config
     if progress:
         p.add_argument("--no-progress", action="store_true")
     return p
-
-
-def add_kernels_options(p: argparse.ArgumentParser) -> None:
-    """`bench kernels`'s options, as `python -m mmserve.bench.kernels` takes them too."""
-    add_config_options(p, KernelsBenchConfig)
-    p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
 
 
 def _bench_model(model: Path | None, arch: str = "qwen2_vl") -> Path:
@@ -138,6 +134,7 @@ _COMMANDS: dict[str, tuple[type, str, _Run, str | None]] = {
     "kv-cache": (KVCacheBenchConfig, "kv_cache", lambda m, a, cfg: m.bench_kv_cache(_bench_model(a.model), cfg), None),
     "quantization": (QuantizationBenchConfig, "quantization",
                      lambda m, a, cfg: m.bench_quantization(_bench_model(a.model), cfg), None),
+    "kernels": (KernelsBenchConfig, "kernels", lambda m, a, cfg: m.bench_kernels(cfg), None),
 }  # fmt: skip
 
 
@@ -146,10 +143,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     `resolved()` where the config has one; exit 2 with the reason when they do not make one), the bench, its
     report printed, --json and --plot written (tensor-parallel: both into --out)."""
     name = args.bench_command
-    if name == "kernels":
-        from mmserve.bench.kernels import bench_kernels
-
-        return bench_kernels(config_from_options(KernelsBenchConfig, args), args.json)
     if name == "serve" and args.workload == "slo-mix":
         name = "slo-mix"
         if args.url:

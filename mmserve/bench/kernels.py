@@ -1,22 +1,19 @@
-"""`python -m mmserve.bench.kernels`: the Triton paged-attention kernel on a CUDA device, for decode batches
+"""`mmserve bench kernels`: the Triton paged-attention kernel on a CUDA device, for decode batches
 and mixed chunk+decode batches: median time, achieved bytes/s against the card's measured copy bandwidth,
-and speed against torch SDPA over the same K/V gathered (unpaged). Prints a table; `--json PATH` saves it."""
+and speed against torch SDPA over the same K/V gathered (unpaged)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mmserve.bench import KernelsBenchConfig, config_from_options, num, table
+from mmserve.bench import KernelsBenchConfig, num, table
 
 
 @dataclass(frozen=True)
@@ -181,17 +178,8 @@ def measure(
                   sdpa_ms, kv_bytes, rate, rate / copy_bw, sdpa_ms / triton_ms, diff)  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from mmserve.bench.cli import add_kernels_options
-
-    parser = argparse.ArgumentParser(prog="python -m mmserve.bench.kernels", description=__doc__)
-    add_kernels_options(parser)
-    args = parser.parse_args(argv)
-    return bench_kernels(config_from_options(KernelsBenchConfig, args), args.json)
-
-
-def bench_kernels(cfg: KernelsBenchConfig, json_path: Path | None = None) -> int:
-    """Measures every case, prints the table (and whether the goal is met), writes `json_path`."""
+def bench_kernels(cfg: KernelsBenchConfig) -> dict:
+    """Measures every case on the GPU (or, `smoke`, tiny cases on the CPU in Triton's interpreter)."""
     if cfg.smoke:
         # Must precede the first `import triton` (the kernels are imported lazily below).
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -202,13 +190,10 @@ def bench_kernels(cfg: KernelsBenchConfig, json_path: Path | None = None) -> int
         device, timer, copy_bytes = torch.device("cuda"), cuda_ms, 1 << 30
         shape, batches, contexts, mixed = GPU_SHAPE, DECODE_BATCHES, DECODE_CONTEXTS, MIXED
     else:
-        print("mmserve.bench.kernels needs a CUDA device (or --smoke to check the script on the CPU)")
-        return 2
+        raise ValueError("mmserve bench kernels needs a CUDA device (or --smoke to check the script on the CPU)")
+    import triton
+
     copy_bw = copy_bandwidth(device, timer, copy_bytes)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter smoke run)"
-    print(f"device: {name}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"shape: {shape.num_heads} q heads / {shape.num_kv_heads} kv heads, head_dim {shape.head_dim}, "
-          f"block {shape.block_size}, {str(shape.dtype).removeprefix('torch.')}")  # fmt: skip
     cases = [(f"decode b={b} ctx={c}", [], (b, c)) for c in contexts for b in batches]
     cases += [(f"mixed: {n}", chunks, decodes) for n, (chunks, decodes) in mixed.items()]
     results: list[Result] = []
@@ -216,25 +201,23 @@ def bench_kernels(cfg: KernelsBenchConfig, json_path: Path | None = None) -> int
         results.append(measure(case_name, build_case(chunks, num_decodes, context, shape, device), shape, copy_bw, timer))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the case's cache and tensors are gone: the next case has the memory
-    print(table(("case", "splits", "triton ms", "sdpa ms", "GB/s", "of copy", "vs sdpa", "max|d|"), [
-        (r.name, r.num_splits, num(r.triton_ms, ".4f"), num(r.sdpa_ms, ".4f"), num(r.triton_bytes_per_s / 1e9, ".0f"),
-         num(r.fraction_of_copy, ".0%"), num(r.speedup_vs_sdpa, ".2f") + "x", num(r.max_abs_diff, ".1e"))
-        for r in results]))  # fmt: skip
-    goal = next((r for r in results if r.name == f"decode b={GOAL_BATCH} ctx={GOAL_CONTEXT}"), None)
-    if goal is not None:
-        met = goal.fraction_of_copy >= GOAL_FRACTION and goal.speedup_vs_sdpa > 1
-        print(f"goal (b={GOAL_BATCH}, ctx={GOAL_CONTEXT}: >= {GOAL_FRACTION:.0%} of copy bandwidth and faster "
-              f"than SDPA): {'met' if met else 'NOT met'}")  # fmt: skip
-    if json_path is not None:
-        import triton
-
-        payload = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_bytes_per_s": copy_bw,
-                   "shape": {**asdict(shape), "dtype": str(shape.dtype)}, "results": [asdict(r) for r in results]}  # fmt: skip
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {json_path}")
-    return 0
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter smoke run)"
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_bytes_per_s": copy_bw,
+            "shape": {**asdict(shape), "dtype": str(shape.dtype)}, "results": [asdict(r) for r in results]}  # fmt: skip
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def format_report(report: dict) -> str:
+    """The device, the shape, a row per case, and whether the goal is met (when its case ran)."""
+    shape, results = report["shape"], report["results"]
+    lines = [f"device: {report['device']}; copy bandwidth {report['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write)",
+             f"shape: {shape['num_heads']} q heads / {shape['num_kv_heads']} kv heads, head_dim {shape['head_dim']}, "
+             f"block {shape['block_size']}, {shape['dtype'].removeprefix('torch.')}",
+             table(("case", "splits", "triton ms", "sdpa ms", "GB/s", "of copy", "vs sdpa", "max|d|"), [
+                 (r["name"], r["num_splits"], num(r["triton_ms"], ".4f"), num(r["sdpa_ms"], ".4f"),
+                  num(r["triton_bytes_per_s"] / 1e9, ".0f"), num(r["fraction_of_copy"], ".0%"),
+                  num(r["speedup_vs_sdpa"], ".2f") + "x", num(r["max_abs_diff"], ".1e")) for r in results])]  # fmt: skip
+    if goal := next((r for r in results if r["name"] == f"decode b={GOAL_BATCH} ctx={GOAL_CONTEXT}"), None):
+        met = goal["fraction_of_copy"] >= GOAL_FRACTION and goal["speedup_vs_sdpa"] > 1
+        lines.append(f"goal (b={GOAL_BATCH}, ctx={GOAL_CONTEXT}: >= {GOAL_FRACTION:.0%} of copy bandwidth and faster "
+                     f"than SDPA): {'met' if met else 'NOT met'}")  # fmt: skip
+    return "\n".join(lines)
