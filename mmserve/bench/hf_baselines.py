@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
+from mmserve.bench import ThroughputBenchConfig
 from mmserve.bench.machine import timed
 from mmserve.bench.workload import Workload
 
 
-def _hf_media_kwargs(
-    model: torch.nn.Module, model_dir: Path, prompts: list[dict | None], ids: torch.Tensor
-) -> dict:
+def _hf_media_kwargs(model: torch.nn.Module, model_dir: Path, prompts: list[dict | None],
+                     ids: torch.Tensor) -> dict:  # fmt: skip
     """Media inputs of a batch's media prompts (None: a text request), in order: images through transformers'
     own image processor; videos through mmserve's frame-by-frame preprocessing (transformers' video processor
     needs torchvision), as tests/test_mm_parity.py. Token types mark image (1) and video (2) placeholders."""
@@ -44,11 +44,10 @@ def _hf_media_kwargs(
     return kwargs
 
 
-def run_hf_static(
-    model: torch.nn.Module, model_dir: Path, workload: Workload, batch_size: int
-) -> tuple[float, list[list[int]], float]:
-    """transformers generate() in fixed batches, left padded (with token 0), each batch running to its
-    longest request. Returns (wall seconds, tokens per request, this process's CPU seconds), as `timed`.
+def run_hf_static(model: torch.nn.Module, model_dir: Path, workload: Workload,
+                  c: ThroughputBenchConfig) -> tuple[float, list[list[int]], float]:  # fmt: skip
+    """transformers generate() in batches of `c.hf_batch_size`, left padded (with token 0), each running to
+    its longest request. Returns (wall seconds, tokens per request, this process's CPU seconds), as `timed`.
 
     long-video: the batches follow arrival order (workload order: the texts, then the videos), but the
     arrival steps do not apply: a static batch takes no request once it runs, so a video simply waits
@@ -56,8 +55,8 @@ def run_hf_static(
     media_prompts = workload.mm_prompts or [None] * len(workload.prompts)
     tokens: list[list[int]] = []
     start, cpu_start = time.perf_counter(), time.process_time()
-    for b in range(0, len(workload.prompts), batch_size):
-        idx = range(b, min(b + batch_size, len(workload.prompts)))
+    for b in range(0, len(workload.prompts), c.hf_batch_size):
+        idx = range(b, min(b + c.hf_batch_size, len(workload.prompts)))
         prompts = [workload.prompts[i] for i in idx]
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])  # [batch, width]
@@ -71,21 +70,19 @@ def run_hf_static(
     return time.perf_counter() - start, tokens, time.process_time() - cpu_start
 
 
-def run_hf_cb(
-    model: torch.nn.Module, workload: Workload, max_num_seqs: int, max_num_batched_tokens: int
-) -> tuple[float, list[list[int]], float]:
-    """transformers' own continuous batching (`generate_batch`, paged cache), text only, as `timed` returns
-    it. Its KV pool is sized to the workload (its default sizes itself to most of the free memory, slowly,
-    on a CPU)."""
+def run_hf_cb(model: torch.nn.Module, model_dir: Path, workload: Workload,
+              c: ThroughputBenchConfig) -> tuple[float, list[list[int]], float]:  # fmt: skip
+    """transformers' own continuous batching (`generate_batch`, paged cache) under `c`'s sequence and token
+    budgets, as `timed` returns it (`model_dir` unused: both baselines take the same arguments). Text only:
+    ThroughputBenchConfig refuses hf-cb with a media workload. Its KV pool is sized to the workload (its
+    default sizes itself to most of the free memory, slowly, on a CPU)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    if workload.mm_prompts is not None:
-        raise ValueError("hf-cb runs text workloads only")
     page = 16
     pages = sum(-(-(len(p) + n) // page) for p, n in zip(workload.prompts, workload.output_lens, strict=True))
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=pages + 16, max_requests_per_batch=max_num_seqs,
-                                  max_batch_tokens=max_num_batched_tokens)  # fmt: skip
+    cb = ContinuousBatchingConfig(page_size=page, num_blocks=pages + 16, max_requests_per_batch=c.max_num_seqs,
+                                  max_batch_tokens=c.max_num_batched_tokens or 0)  # fmt: skip
 
     def generate(prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
         # generate_batch has one max_new_tokens for all; its manager takes one per request, as here.

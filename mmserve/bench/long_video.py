@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def step_engine(llm: LLM) -> EngineCoreOutputs:
     return core_outputs
 
 
-def step_timeline(steps: list[StepRecord]) -> list[dict]:
+def step_timeline(steps: Iterable[StepRecord]) -> list[dict]:
     """Each step's time and token mix, as the JSON reports and the timeline plot take them (also used by
     `bench throughput --workload long-video`)."""
     return [{"duration_s": s.duration_s, "encoder_duration_s": s.encoder_duration_s,
@@ -32,9 +33,8 @@ def step_timeline(steps: list[StepRecord]) -> list[dict]:
              "encoder_tokens": s.num_encoder_tokens} for s in steps]  # fmt: skip
 
 
-def run_once(
-    model_dir: Path, cfg: LongVideoBenchConfig, chunk_encoder: bool, max_step_ms: float | None
-) -> dict:
+def run_once(model_dir: Path, cfg: LongVideoBenchConfig, chunk_encoder: bool,
+             max_step_ms: float | None) -> dict:  # fmt: skip
     """`cfg.num_decodes` decodes running, then the video added: every step until its first token."""
     llm = LLM(model_dir, dtype=cfg.dtype, max_num_batched_tokens=cfg.max_num_batched_tokens,
               max_num_encoder_tokens=cfg.max_num_encoder_tokens, chunk_encoder=chunk_encoder,
@@ -55,26 +55,21 @@ def run_once(
     while not any(o.request_id == "video" and o.finished for o in step_engine(llm).outputs):
         pass  # the decodes and the video's prefill step on until its first (and only) token
     video_ttft_s = time.perf_counter() - added
-    llm.engine.abort_requests([f"d{i}" for i in range(cfg.num_decodes)])
-    llm.close()
-    steps = list(llm.step_records)
-    times = [s.duration_s for s in steps]
+    llm.close()  # the decodes, still running, are dropped with it
+    steps, times = llm.step_records, [s.duration_s for s in llm.step_records]
+    longest, median = max(times), statistics.median(times)
     return {
-        "chunk_encoder": chunk_encoder,
-        "max_step_ms": max_step_ms,
-        "video_ttft_s": video_ttft_s,
-        "max_over_target": max(times) / (max_step_ms / 1e3) if max_step_ms else None,
+        "chunk_encoder": chunk_encoder, "max_step_ms": max_step_ms, "video_ttft_s": video_ttft_s,
+        "max_over_target": longest / (max_step_ms / 1e3) if max_step_ms else None,
         # One input holding every group (Qwen2/2.5-VL), or one input per group (Qwen3-VL: timestamps between).
         "temporal_groups": sum(mm.num_groups for mm in video.mm_inputs),
         "video_tokens": sum(mm.placeholder.length for mm in video.mm_inputs),
-        "steps": len(steps),
-        "max_step_s": max(times),
-        "median_step_s": statistics.median(times),
-        "max_over_median": max(times) / statistics.median(times),
+        "steps": len(steps), "max_step_s": longest, "median_step_s": median,
+        "max_over_median": longest / median,
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
         "decode_tokens_per_step_min": min(s.num_decode_tokens for s in steps),
         "timeline": step_timeline(steps),  # step composition while the video prefills, for the plot
-    }
+    }  # fmt: skip
 
 
 def bench_long_video(model_dir: Path, cfg: LongVideoBenchConfig) -> dict:

@@ -29,22 +29,19 @@ if TYPE_CHECKING:
 # prefills, each media item encoded whole in the step that reaches it. (Encoder chunking alone, chunked
 # prefill kept, is `mmserve bench long-video`'s on/off comparison.)
 MMSERVE_SYSTEMS = {
-    "mmserve": ("fcfs", True),
-    "mmserve-no-chunk": ("no_chunk", False),
-    "mmserve-static": ("static", True),
+    "mmserve": ("fcfs", True), "mmserve-no-chunk": ("no_chunk", False), "mmserve-static": ("static", True),
     "mmserve-structured": ("fcfs", True),  # mmserve with every request constrained by STRUCTURED_REGEX
-}
+}  # fmt: skip
 # JSON-like records, repeated: the grammar accepts after every record, so with ignore_eos (EOS is not
 # offered while the grammar allows more) each request still runs to its fixed output length, as the
 # unconstrained systems do; the outputs differ from theirs, the token counts do not.
 STRUCTURED_REGEX = r'(\{"id": [0-9]{1,4}, "name": "[a-z ]{0,12}", "ok": (true|false)\}, )+'
 # The keys of a system's report entry that only mmserve fills (None for transformers), in report order: see
 # run_mmserve and, long-video only (else None), _arrival_stats.
-MMSERVE_ONLY_KEYS = (
-    "kv_cache_peak_usage", "step_time_split", "max_num_batched_tokens", "itl_p50_ms", "itl_p99_ms",
-    "max_step_s", "median_step_s", "max_encoder_tokens_in_a_step", "timeline", "max_step_over_median",
-    "max_step_since_video_s", "max_step_since_video_over_median", "expert_share",
-)  # fmt: skip
+MMSERVE_ONLY_KEYS = ("kv_cache_peak_usage", "step_time_split", "max_num_batched_tokens", "itl_p50_ms",
+                     "itl_p99_ms", "max_step_s", "median_step_s", "max_encoder_tokens_in_a_step", "timeline",
+                     "max_step_over_median", "max_step_since_video_s", "max_step_since_video_over_median",
+                     "expert_share")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -111,28 +108,15 @@ class ExpertTimer:
         return self.seconds / forward_s if self._handles and forward_s > 0 else None
 
 
-def _engine_prompts(workload: Workload) -> list:
-    """What the engine is given per request: the media prompt dict, or the token ids of a text one."""
-    media = workload.mm_prompts or [None] * len(workload.prompts)
-    return [m if m is not None else p for m, p in zip(media, workload.prompts, strict=True)]
-
-
-def _warm_up(llm: LLM, workload: Workload) -> None:
-    """The first and last requests with other content (no prefix- or encoder-cache hits in the timed
-    run): text reversed, images inverted, videos cut to 4 inverted frames."""
+def _unlike(p: Any) -> Any:
+    """A warm-up request shaped as engine prompt `p` with other content (no prefix- or encoder-cache hits in
+    the timed run): text reversed, images inverted, videos cut to 4 inverted frames."""
     from PIL import ImageOps
 
-    from mmserve import SamplingParams
-
-    def other(p: Any) -> Any:
-        if not isinstance(p, dict):
-            return p[::-1]
-        return {"prompt": p["prompt"], "images": [ImageOps.invert(im) for im in p.get("images", [])],
-                "videos": [255 - v[:4] for v in p.get("videos", [])]}  # fmt: skip
-
-    prompts = _engine_prompts(workload)
-    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    llm.generate([other(prompts[0]), other(prompts[-1])], warm)
+    if not isinstance(p, dict):
+        return p[::-1]
+    return {"prompt": p["prompt"], "images": [ImageOps.invert(im) for im in p.get("images", [])],
+            "videos": [255 - v[:4] for v in p.get("videos", [])]}  # fmt: skip
 
 
 def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputBenchConfig) -> Run:
@@ -150,14 +134,18 @@ def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputB
     spec = StructuredOutputs(regex=STRUCTURED_REGEX) if system == "mmserve-structured" else None
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, structured_outputs=spec)
               for n in workload.output_lens]  # fmt: skip
-    _warm_up(llm, workload)
+    # What the engine is given per request: the media prompt dict, or the token ids of a text one.
+    media = workload.mm_prompts or [None] * len(workload.prompts)
+    prompts = [m if m is not None else p for m, p in zip(media, workload.prompts, strict=True)]
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([_unlike(prompts[0]), _unlike(prompts[-1])], warm)  # the first and last requests' shapes
     timer = ExpertTimer(llm.engine.executor.local_model())
     llm.step_records.clear()
     if workload.arrival_steps is None:
-        elapsed, outputs, cpu_s = timed(lambda: llm.generate(_engine_prompts(workload), params))
+        elapsed, outputs, cpu_s = timed(lambda: llm.generate(prompts, params))
         tokens, arrivals = [o.token_ids for o in outputs], {}
     else:
-        elapsed, (tokens, stamps, first_video), cpu_s = timed(lambda: _drive_arrivals(llm, workload, params))
+        elapsed, (tokens, stamps, first_video), cpu_s = timed(lambda: _drive(llm, workload, prompts, params))
         arrivals = _arrival_stats(llm, workload, stamps, first_video)
     stats = llm.stats()
     return Run(elapsed, tokens, cpu_s, {
@@ -171,9 +159,8 @@ def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputB
     })  # fmt: skip
 
 
-def _drive_arrivals(
-    llm: LLM, workload: Workload, params: list[SamplingParams]
-) -> tuple[list[list[int]], list[list[float]], int]:
+def _drive(llm: LLM, workload: Workload, prompts: list,
+           params: list[SamplingParams]) -> tuple[list[list[int]], list[list[float]], int]:  # fmt: skip
     """Steps the engine by hand, adding request i after `arrival_steps[i]` steps and stamping each output
     token with the time its step returned. Returns the tokens and stamps per request and the index in
     `llm.step_records` of the first step after the first media request was added. Every request is
@@ -182,7 +169,7 @@ def _drive_arrivals(
     from mmserve.errors import EngineDeadError
 
     requests = [llm.processor.process(p, sp, f"r{i}")[0]
-                for i, (p, sp) in enumerate(zip(_engine_prompts(workload), params, strict=True))]  # fmt: skip
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]  # fmt: skip
     order = {r.request_id: i for i, r in enumerate(requests)}
     arrival_steps = workload.arrival_steps or []
     pending = deque(sorted(range(len(requests)), key=lambda i: arrival_steps[i]))  # request indices
@@ -215,8 +202,7 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]], firs
     composition."""
     gaps = np.concatenate([np.diff(s) for i, s in enumerate(stamps) if workload.is_text(i) and len(s) > 1]
                           or [np.zeros(0)])  # [num gaps] seconds  # fmt: skip
-    steps = list(llm.step_records)
-    times = [s.duration_s for s in steps]
+    times = [s.duration_s for s in llm.step_records]
     median = float(np.median(times))
     # The longest step from the first video's arrival on (the text prefills before it left out): what a
     # long video joining running decodes does to them.
@@ -224,24 +210,11 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]], firs
     return {
         "itl_p50_ms": float(np.percentile(gaps, 50)) * 1e3 if len(gaps) else None,
         "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3 if len(gaps) else None,
-        "max_step_s": max(times),
-        "median_step_s": median,
-        "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in steps),
-        "timeline": step_timeline(steps),
-        "max_step_over_median": max(times) / median,
-        "max_step_since_video_s": since_video,
-        "max_step_since_video_over_median": since_video / median,
-    }
-
-
-def _run_system(
-    system: str, model_dir: Path, hf_model: torch.nn.Module, workload: Workload, c: ThroughputBenchConfig
-) -> Run:
-    if system == "hf-static":
-        return Run(*run_hf_static(hf_model, model_dir, workload, c.hf_batch_size))
-    if system == "hf-cb":
-        return Run(*run_hf_cb(hf_model, workload, c.max_num_seqs, c.max_num_batched_tokens or 0))
-    return run_mmserve(model_dir, workload, system, c)
+        "max_step_s": max(times), "median_step_s": median,
+        "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in llm.step_records),
+        "timeline": step_timeline(llm.step_records), "max_step_over_median": max(times) / median,
+        "max_step_since_video_s": since_video, "max_step_since_video_over_median": since_video / median,
+    }  # fmt: skip
 
 
 def _system_entry(system: str, runs: list[Run], run: Run, workload: Workload, bound: float) -> dict[str, Any]:
@@ -249,15 +222,12 @@ def _system_entry(system: str, runs: list[Run], run: Run, workload: Workload, bo
     repeated = len(runs) > 1
     out_rate = workload.num_output_tokens / run.elapsed_s
     return {
-        "system": system,
-        "elapsed_s": run.elapsed_s,
-        "requests_per_s": len(workload.prompts) / run.elapsed_s,
+        "system": system, "elapsed_s": run.elapsed_s, "requests_per_s": len(workload.prompts) / run.elapsed_s,
         "output_tokens_per_s": out_rate,
         "total_tokens_per_s": (workload.num_prompt_tokens + workload.num_output_tokens) / run.elapsed_s,
         "efficiency": out_rate / bound,  # output tokens/s over the roofline bound
         "ratio_to_hf_static": None,  # output tokens/s over hf-static's, when it ran
-        **dict.fromkeys(MMSERVE_ONLY_KEYS),
-        **run.mmserve,
+        **dict.fromkeys(MMSERVE_ONLY_KEYS), **run.mmserve,
         "elapsed_s_runs": [r.elapsed_s for r in runs] if repeated else None,  # in run order
         "expert_share_runs": [r.mmserve["expert_share"] for r in runs]
         if repeated and run.mmserve.get("expert_share") is not None else None,
@@ -265,8 +235,7 @@ def _system_entry(system: str, runs: list[Run], run: Run, workload: Workload, bo
         # on a shared machine it moves far less than wall time when others take the cores. The median
         # run's, every run's, and hf-static's median over this system's.
         "cpu_s": statistics.median_low([r.cpu_s for r in runs]),
-        "cpu_s_runs": [r.cpu_s for r in runs] if repeated else None,
-        "cpu_ratio_to_hf_static": None,
+        "cpu_s_runs": [r.cpu_s for r in runs] if repeated else None, "cpu_ratio_to_hf_static": None,
     }  # fmt: skip
 
 
@@ -287,7 +256,9 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
         for _ in range(c.repeats):
             rooflines.append(dense_token_rate(hf_model, cfg.vocab_size))
             for system in c.systems:
-                runs[system].append(_run_system(system, model_dir, hf_model, workload, c))
+                hf = {"hf-static": run_hf_static, "hf-cb": run_hf_cb}.get(system)  # (wall s, tokens, CPU s)
+                runs[system].append(Run(*hf(hf_model, model_dir, workload, c)) if hf else
+                                    run_mmserve(model_dir, workload, system, c))  # fmt: skip
                 gc.collect()
                 bar.update()
     roofline = max(rooflines)  # a ceiling: noise only ever makes a measurement of it lower
@@ -303,17 +274,12 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
             entry["cpu_ratio_to_hf_static"] = base["cpu_s"] / entry["cpu_s"] if entry["cpu_s"] else None
     return {
         "config": {**asdict(c), "model": str(model_dir), "torch_threads": torch.get_num_threads()},
-        "workload": {
-            "prompt_tokens": workload.num_prompt_tokens,
-            "output_tokens": workload.num_output_tokens,
-            "video_tokens": workload.video_tokens,  # placeholder tokens of one video
-            # long-video: the driver step after which each video request is added
-            "video_arrival_steps": [
-                a for i, a in enumerate(workload.arrival_steps or []) if not workload.is_text(i)
-            ],
-        },
-        "roofline_tokens_per_s": roofline,
-        "roofline_tokens_per_s_runs": rooflines,
+        "workload": {"prompt_tokens": workload.num_prompt_tokens, "output_tokens": workload.num_output_tokens,
+                     "video_tokens": workload.video_tokens,  # placeholder tokens of one video
+                     # long-video: the driver step after which each video request is added
+                     "video_arrival_steps": [a for i, a in enumerate(workload.arrival_steps or [])
+                                             if not workload.is_text(i)]},
+        "roofline_tokens_per_s": roofline, "roofline_tokens_per_s_runs": rooflines,
         "output_tokens_per_s_bound": bound,
         "systems": systems,
         # Greedy outputs of every system should agree: how many requests differ from the first system's
@@ -323,7 +289,7 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
             for k, v in runs.items()
         },
         **_comparisons(systems),
-    }
+    }  # fmt: skip
 
 
 def _comparisons(systems: dict[str, dict]) -> dict:
@@ -354,9 +320,8 @@ def format_report(report: dict) -> str:
                       ("Output-token bound (tok/s):", num(report["output_tokens_per_s_bound"]))]),
              table(("system", "req/s", "out tok/s", "total tok/s", "efficiency", "vs hf-static", "CPU s",
                     "CPU vs hf"), rows)]  # fmt: skip
-    split = ("forward", "encoder", "sampling", "grammar", "host_overhead", "scheduler_and_update",
-             "outside_steps")  # fmt: skip
-    if rows := [(r["system"], *(num(r["step_time_split"][k], ".0%") for k in split),
+    # step_time_split's fractions, in its order (host: host_overhead; between: outside_steps)
+    if rows := [(r["system"], *(num(v, ".0%") for v in r["step_time_split"].values()),
                  num(r["kv_cache_peak_usage"], ".1%"), num(r["expert_share"], ".0%"))
                 for r in systems if r["step_time_split"]]:  # fmt: skip
         parts.append("== share of the run (host: sched+update inside steps, and between steps) ==\n" + table(

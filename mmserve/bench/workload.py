@@ -21,7 +21,6 @@ _WORDS = (
     "server request stream latency batch of in on with and to is what why how describe count"
 ).split()
 VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
-FIRST_VIDEO_STEP = 4  # offline long-video: steps after the text prefills before the first video arrives
 
 
 def load_tokenizer(model: Path | None) -> Any | None:
@@ -69,15 +68,6 @@ def video_frames(rng: np.random.Generator, num_frames: int, size: int) -> np.nda
     return np.stack(channels, axis=-1).astype(np.uint8)
 
 
-def video_data_url(rng: np.random.Generator, num_frames: int, size: int) -> str:
-    """`video_frames` as an H.264 mp4 at the server's sampling rate (every frame is kept) in a data URL."""
-    from mmserve.demo.data import encode_mp4
-    from mmserve.encoders.media import DEFAULT_LIMITS
-
-    mp4 = encode_mp4(video_frames(rng, num_frames, size), DEFAULT_LIMITS.video_fps)
-    return "data:video/mp4;base64," + base64.b64encode(mp4).decode()
-
-
 def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
@@ -88,10 +78,16 @@ def text_part(text: str) -> dict:
 
 def media_parts(np_rng: np.random.Generator, images: int = 0, image_size: int = 0, frames: int = 0,
                 video_size: int = 0, image_format: str = "png") -> list[dict]:  # fmt: skip
-    """`images` fresh random images, then (frames > 0) one fresh video, as data-URL content parts."""
+    """`images` fresh random images, then (frames > 0) one fresh video (`video_frames` as an H.264 mp4 at the
+    server's sampling rate: every frame is kept), as data-URL content parts."""
     parts = [image_part(image_data_url(np_rng, image_size, image_format)) for _ in range(images)]
-    if frames:
-        parts.append({"type": "video_url", "video_url": {"url": video_data_url(np_rng, frames, video_size)}})
+    if frames:  # PyAV only when a video is drawn
+        from mmserve.demo.data import encode_mp4
+        from mmserve.encoders.media import DEFAULT_LIMITS
+
+        mp4 = encode_mp4(video_frames(np_rng, frames, video_size), DEFAULT_LIMITS.video_fps)
+        url = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+        parts.append({"type": "video_url", "video_url": {"url": url}})
     return parts
 
 
@@ -143,19 +139,16 @@ def build_requests(cfg: ServeBenchConfig, seed: int, tokenizer: Any | None = Non
         raise ValueError("prefix: --num-images must not be negative")
     if workload == "long-video" and (cfg.num_videos < 1 or num_frames < 1):
         raise ValueError("long-video needs --num-videos and --num-frames >= 1")
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
+    rng, np_rng, video_size = random.Random(seed), np.random.default_rng(seed), cfg.video_size or 112
     prefix = random_text(rng, cfg.prefix_len, tokenizer) + "\n" if workload == "prefix" else ""
-    video_size = cfg.video_size or 112
     shared: list[dict] = []  # prefix: one set of images, in front of every prompt (the same data URLs: the same pixels)
     if workload == "prefix":
         shared = media_parts(np_rng, num_images, cfg.image_size, image_format=cfg.image_format)
     out = []
     for _ in range(cfg.num_prompts):
         text = prefix + random_text(rng, rng.randint(*cfg.input_len), tokenizer)
-        media = shared
-        if workload == "random-mm":
-            media = media_parts(np_rng, num_images, cfg.image_size, num_frames, video_size, cfg.image_format)
+        media = (media_parts(np_rng, num_images, cfg.image_size, num_frames, video_size, cfg.image_format)
+                 if workload == "random-mm" else shared)  # fmt: skip
         out.append(Request(user(text, media), rng.randint(*cfg.output_len)))
     for j in range(cfg.num_videos if workload == "long-video" else 0):
         video = media_parts(np_rng, frames=num_frames, video_size=video_size)
@@ -166,8 +159,7 @@ def build_requests(cfg: ServeBenchConfig, seed: int, tokenizer: Any | None = Non
 def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> list[Request]:
     """The batch backlog (all at offset 0: long text, multi-image and video jobs in turn) then the chats at
     Poisson offsets within `duration_s`."""
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
+    rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     out = []
     for i in range(cfg.num_batch):
         kind = ("long-text", "multi-image", "video")[i % 3]
@@ -189,8 +181,7 @@ def build_mix(cfg: MixConfig, load: float, seed: int, tokenizer: Any | None) -> 
 
 def build_chats(cfg: MixConfig, n: int, seed: int, tokenizer: Any | None) -> list[Request]:
     """`n` chats of the mix's shapes, all at offset 0."""
-    rng = random.Random(seed)
-    np_rng = np.random.default_rng(seed)
+    rng, np_rng = random.Random(seed), np.random.default_rng(seed)
     return [_chat(cfg, rng, np_rng, tokenizer, 0.0) for _ in range(n)]
 
 
@@ -281,16 +272,15 @@ def _expand(model_dir: Path, prompts: list) -> tuple[list[list[int]], int]:
 
 def offline_workload(model_dir: Path, c: ThroughputBenchConfig, vocab_size: int) -> Workload:
     """`c.workload`'s requests as the engine sees them (`c` resolved). `random`: random ids; `prefix`: every
-    prompt starts with the same `prefix_len` random ids, then a random suffix (prefix-cache hits)."""
-    if c.workload == "random":
-        return random_workload(vocab_size, c, c.seed)
-    if c.workload == "prefix":
-        prefix = _random_ids(random.Random(c.seed), vocab_size, c.prefix_len)
-        base = random_workload(vocab_size, c, c.seed + 1)
-        return Workload([prefix + p for p in base.prompts], base.output_lens)
+    prompt starts with the same `prefix_len` random ids (drawn with `seed`), then a random suffix (with
+    `seed` + 1): prefix-cache hits."""
     if c.workload == "random-mm":
         return random_mm_workload(model_dir, c)
-    return long_video_workload(model_dir, vocab_size, c)
+    if c.workload == "long-video":
+        return long_video_workload(model_dir, vocab_size, c)
+    prefix = _random_ids(random.Random(c.seed), vocab_size, c.prefix_len) if c.workload == "prefix" else []
+    base = random_workload(vocab_size, c, c.seed + (c.workload == "prefix"))
+    return Workload([prefix + p for p in base.prompts], base.output_lens)
 
 
 def random_mm_workload(model_dir: Path, c: ThroughputBenchConfig) -> Workload:
@@ -300,8 +290,7 @@ def random_mm_workload(model_dir: Path, c: ThroughputBenchConfig) -> Workload:
 
     num_images, num_frames = c.num_images, c.num_frames or 0
     _check_media(num_images, num_frames)
-    rng = random.Random(c.seed)
-    np_rng = np.random.default_rng(c.seed)
+    rng, np_rng = random.Random(c.seed), np.random.default_rng(c.seed)
     words = "red blue green circle square shape image count colour left right top bottom".split()
     mm_prompts: list[dict | None] = []
     for _ in range(c.num_prompts):
@@ -317,9 +306,9 @@ def random_mm_workload(model_dir: Path, c: ThroughputBenchConfig) -> Workload:
 
 def long_video_workload(model_dir: Path, vocab_size: int, c: ThroughputBenchConfig) -> Workload:
     """`num_prompts` random text requests added at once, then `num_videos` video requests (one random
-    video and a short question each) added one every `video_interval_steps` driver steps, the first
-    FIRST_VIDEO_STEP steps after the text prompts could have prefilled at the token budget. The
-    schedule counts steps, not seconds, so every mmserve system sees the same arrivals.
+    video and a short question each) added one every `video_interval_steps` driver steps, the first 4
+    steps after the text prompts could have prefilled at the token budget. The schedule counts steps, not
+    seconds, so every mmserve system sees the same arrivals.
 
     Text outputs are the random lengths plus enough steps to outlast every video's chunked prefill
     (budget left beside the decodes, or the encoder budget, whichever is smaller), so the videos
@@ -334,15 +323,11 @@ def long_video_workload(model_dir: Path, vocab_size: int, c: ThroughputBenchConf
                "videos": [video_frames(np_rng, num_frames, c.video_size or 224)]}
               for j in range(num_videos)]  # fmt: skip
     video_ids, video_tokens = _expand(model_dir, videos)
-    first = -(-text.num_prompt_tokens // budget) + FIRST_VIDEO_STEP
+    first = -(-text.num_prompt_tokens // budget) + 4  # 4 steps after the texts could have prefilled
     arrivals = [first + j * c.video_interval_steps for j in range(num_videos)]
     per_step = max(1, min(budget - num_prompts, c.max_num_encoder_tokens or budget))
     prefill_steps = sum(-(-len(p) // per_step) for p in video_ids)
     cover = arrivals[-1] + prefill_steps + VIDEO_OUTPUT_LEN
-    return Workload(
-        prompts=text.prompts + video_ids,
-        output_lens=[n + cover for n in text.output_lens] + [VIDEO_OUTPUT_LEN] * num_videos,
-        mm_prompts=[None] * num_prompts + videos,
-        arrival_steps=[0] * num_prompts + arrivals,
-        video_tokens=video_tokens,
-    )
+    out_lens = [n + cover for n in text.output_lens] + [VIDEO_OUTPUT_LEN] * num_videos
+    return Workload(text.prompts + video_ids, out_lens, mm_prompts=[None] * num_prompts + videos,
+                    arrival_steps=[0] * num_prompts + arrivals, video_tokens=video_tokens)  # fmt: skip
