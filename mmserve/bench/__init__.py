@@ -61,14 +61,10 @@ def add_config_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
         if meta.get("choices") and not isinstance(default, tuple):  # a tuple's items are checked by BenchConfig
             kwargs["choices"] = meta["choices"]
-        if isinstance(default, bool):
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, **kwargs)
-        elif meta.get("repeat"):
-            parser.add_argument(*flags, action="append", default=None, **kwargs)
-        elif meta.get("words"):
-            parser.add_argument(*flags, nargs="+", default=None, **kwargs)
-        else:
-            parser.add_argument(*flags, default=None, **kwargs)  # None: the field's default (read as given)
+        # a bool: --x / --no-x; else None stands for the field's default (read as given)
+        how = ({"action": argparse.BooleanOptionalAction, "default": default} if isinstance(default, bool) else
+               {"action": "append"} if meta.get("repeat") else {"nargs": "+"} if meta.get("words") else {})  # fmt: skip
+        parser.add_argument(*flags, **{"default": None, **how}, **kwargs)
 
 
 def config_from_options(cls: type, args: argparse.Namespace) -> Any:
