@@ -29,10 +29,6 @@ WARM_UP = Request(user("Warm up."), 2)
 Send = Callable[..., Awaitable[RequestTiming]]
 
 
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 @dataclasses.dataclass
 class _Stream:
     """One request's record as it streams: when it was sent and when each non-empty delta arrived;
@@ -130,38 +126,21 @@ async def upload_media(base_url: str, requests: list[Request], api_key: str | No
                 file_ids[url] = (await sdk.files.create(file=file, purpose="vision")).id
             return {"type": kind, kind: {"url": file_ids[url]}}
 
-        out = []
-        for req in requests:  # a message's content: a text, or a list of parts
-            messages = [{**m, "content": [await by_id(part) for part in m["content"]]}
-                        if isinstance(m["content"], list) else m for m in req.messages]  # fmt: skip
-            out.append(dataclasses.replace(req, messages=messages))
-    return out
+        return [dataclasses.replace(r, messages=[  # a message's content: a text, or a list of parts
+            {**m, "content": [await by_id(p) for p in m["content"]]} if isinstance(m["content"], list) else m
+            for m in r.messages]) for r in requests]  # fmt: skip
 
 
-def served_model(base_url: str, api_key: str | None = None) -> str:
+def served_model(base_url: str) -> str:
     """The first model a server lists at /v1/models (what a peer must be asked for by name)."""
     import httpx
 
-    r = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=30)
+    r = httpx.get(f"{base_url}/v1/models", timeout=30)
     r.raise_for_status()
     models = r.json().get("data") or []
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
     return str(models[0]["id"])
-
-
-async def arrivals(n: int, request_rate: float, burstiness: float, seed: int) -> AsyncIterator[int]:
-    """Indices 0..n-1 at gamma-distributed gaps (mean 1/rate; burstiness 1 is Poisson), as vLLM does;
-    all at once when the rate is infinite."""
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        yield i
-        if not math.isinf(request_rate) and i < n - 1:
-            await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness))))
-
-
-# Cache counters of mmserve's /metrics (`mmserve:NAME_total`), all in tokens.
-CACHE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "mm_cache_queries", "mm_cache_hits")
 
 
 async def scrape_counters(client: Any, base_url: str, headers: dict[str, str]) -> dict[str, float]:
@@ -190,11 +169,12 @@ def cache_figures(before: Sequence[dict[str, float]], after: Sequence[dict[str, 
     """What the servers' caches did between two scrapes of each (`scrape_counters`), summed over the servers:
     tokens looked up and found in the prefix cache and the encoder (mm) cache, and each hit rate; every figure
     None when a scrape lacks a counter (a server that did not answer, or is not mmserve)."""
-    complete = all(set(CACHE_COUNTERS) <= c.keys() for c in (*before, *after))
+    caches, kinds = ("prefix_cache", "mm_cache"), ("queries", "hits")  # all in tokens
+    complete = all(f"{cache}_{k}" in c for c in (*before, *after) for cache in caches for k in kinds)
     figures: dict[str, float | None] = {}
-    for cache in ("prefix_cache", "mm_cache"):
+    for cache in caches:
         queries, hits = ((sum(a[f"{cache}_{k}"] - b[f"{cache}_{k}"] for a, b in zip(after, before, strict=True))
-                          for k in ("queries", "hits")) if complete else (None, None))  # fmt: skip
+                          for k in kinds) if complete else (None, None))  # fmt: skip
         figures |= {f"server_{cache}_queries": queries, f"server_{cache}_hits": hits,
                     f"server_{cache}_hit_rate": ratio(hits, queries)}  # fmt: skip
     return figures
@@ -203,7 +183,7 @@ def cache_figures(before: Sequence[dict[str, float]], after: Sequence[dict[str, 
 async def run_requests(
     url: str, requests: list[Request], transport: str, request_rate: float = math.inf,
     burstiness: float = 1.0, max_concurrency: int | None = None, api_key: str | None = None, seed: int = 0,
-    progress: bool = True, num_sockets: int | None = None, media_source: str = "data-url",
+    progress: bool = True, media_source: str = "data-url",
     first_alone: bool = False, video_interval_s: float = 2.0, metrics_urls: Sequence[str] | None = None,
     warm_up: bool = True, model: str = "bench", loop_url: str | None = None,
 ) -> tuple[list[RequestTiming], float, dict]:  # fmt: skip
@@ -229,7 +209,7 @@ async def run_requests(
     offsets = [r.at_s for r in requests if r.at_s is not None]
     if offsets and (len(offsets) != len(requests) or late or first_alone):
         raise ValueError("requests with send offsets (at_s) must all have one, none late, none first alone")
-    headers = auth_headers(api_key)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     first_tokens = [asyncio.Event() for _ in requests]  # each set at its request's first token, or at its end
@@ -239,15 +219,10 @@ async def run_requests(
         client = await stack.enter_async_context(httpx.AsyncClient(timeout=None, limits=limits))
         if media_source == "upload":
             requests = await upload_media(url, requests, api_key)
-        send: Send
-        if transport == "ws":
-            send = await stack.enter_async_context(ws_pool(url, num_sockets or min(limit, 64), api_key))
-        else:
-            send = functools.partial(send_http, client, url, headers=headers, model=model)
-        if warm_up:
-            warm = await send(WARM_UP)
-            if not warm.success:
-                raise RuntimeError(f"warm-up request failed: {warm.error}")
+        send: Send = (await stack.enter_async_context(ws_pool(url, min(limit, 64), api_key)) if transport == "ws"
+                      else functools.partial(send_http, client, url, headers=headers, model=model))  # fmt: skip
+        if warm_up and not (warm := await send(WARM_UP)).success:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
         cache_urls = list(dict.fromkeys(metrics_urls or [url]))
         scraped = set(cache_urls) | ({loop_url} if loop_url else set())  # the servers whose counters count
         before = {u: await scrape_counters(client, u, headers) for u in scraped}
@@ -268,11 +243,11 @@ async def run_requests(
             tasks.append(asyncio.create_task(one(0)))
             await first_tokens[0].wait()
             timed = timed[1:]
-        if offsets:  # each waits for its own offset
-            tasks += [asyncio.create_task(one(i)) for i in timed]
-        else:
-            async for k in arrivals(len(timed), request_rate, burstiness, seed):
-                tasks.append(asyncio.create_task(one(timed[k])))
+        rng = np.random.default_rng(seed)  # gamma-distributed gaps (mean 1/rate; burstiness 1: Poisson), as vLLM
+        for k, i in enumerate(timed):  # all at once at an infinite rate, or with offsets (each waits its own)
+            tasks.append(asyncio.create_task(one(i)))
+            if not (offsets or math.isinf(request_rate)) and k < len(timed) - 1:
+                await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness))))
         if late:
             await asyncio.gather(*(first_tokens[i].wait() for i in timed))
             for j, i in enumerate(late):

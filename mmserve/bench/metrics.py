@@ -85,11 +85,11 @@ def percentile_ms(values_s: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values_s, q)) * 1e3 if len(values_s) else None
 
 
-def summarize_ms(values_s: Sequence[float], name: str, percentiles: Sequence[float] = PERCENTILES) -> dict:
+def summarize_ms(values_s: Sequence[float], name: str) -> dict:
     """mean / median / std / pXX of `values_s`, in milliseconds, under vLLM's key names; 0 when empty."""
     arr = np.asarray(values_s, dtype=np.float64) * 1e3 if len(values_s) else np.zeros(1)  # none: all 0
     stats = {"mean": arr.mean(), "median": np.median(arr), "std": arr.std()}
-    stats |= {f"p{p:g}": np.percentile(arr, p) for p in percentiles}
+    stats |= {f"p{p:g}": np.percentile(arr, p) for p in PERCENTILES}
     return {f"{stat}_{name}_ms": float(value) for stat, value in stats.items()}
 
 
@@ -100,8 +100,8 @@ def throughput_figures(num_requests: int, input_tokens: int, output_tokens: int,
             "total_token_throughput": (input_tokens + output_tokens) / duration_s}  # fmt: skip
 
 
-def compute_metrics(timings: Sequence[RequestTiming], duration_s: float, goodput_slos: dict[str, float] | None = None,
-                    percentiles: Sequence[float] = PERCENTILES) -> dict:  # fmt: skip
+def compute_metrics(timings: Sequence[RequestTiming], duration_s: float,
+                    goodput_slos: dict[str, float] | None = None) -> dict:  # fmt: skip
     """Every figure of one run. Throughputs are over `duration_s` (first send to last finish)."""
     if duration_s <= 0:
         raise ValueError("duration_s must be positive")
@@ -115,7 +115,7 @@ def compute_metrics(timings: Sequence[RequestTiming], duration_s: float, goodput
     samples = {"ttft": [t.ttft_s for t in ok], "tpot": [t.tpot_s for t in ok],
                "itl": [gap for t in ok for gap in t.itls_s], "e2el": [t.e2el_s for t in ok]}  # fmt: skip
     for name, values in samples.items():  # None: no first token (TTFT), fewer than two tokens (TPOT)
-        metrics |= summarize_ms([v for v in values if v is not None], name, percentiles)
+        metrics |= summarize_ms([v for v in values if v is not None], name)
     return metrics
 
 
@@ -123,10 +123,9 @@ def first_vs_repeats_ttft(timings: Sequence[RequestTiming]) -> dict:
     """TTFT of request 0 against the others' (the `prefix` workload sends request 0 alone, so it is the
     cold miss and the others share its cached prefix): median / first as `ttft_repeats_over_first`. None
     where a figure is missing: request 0 failed before its first token, or no other request got one."""
-    first = timings[0].ttft_s if timings and timings[0].success else None
-    first_ms = None if first is None else first * 1e3
-    repeats = [t.ttft_s for t in timings[1:] if t.success and t.ttft_s is not None]
-    median = percentile_ms(repeats, 50.0)
+    first, repeats = ([t.ttft_s for t in ts if t.success and t.ttft_s is not None]
+                      for ts in (timings[:1], timings[1:]))  # fmt: skip
+    first_ms, median = percentile_ms(first, 50.0), percentile_ms(repeats, 50.0)
     return {"ttft_first_ms": first_ms, "ttft_repeats_median_ms": median,
             "ttft_repeats_p90_ms": percentile_ms(repeats, 90.0), "ttft_repeats_over_first": ratio(median, first_ms)}
 
@@ -142,13 +141,12 @@ def video_interference(texts: Sequence[RequestTiming], videos: Sequence[RequestT
     for t in texts:
         for a, b in itertools.pairwise(t.chunk_times_s if t.success else ()):
             gaps["in" if window is not None and window[0] <= b <= window[1] else "out"].append(b - a)
-    out: dict = {"video_window_s": window[1] - window[0] if window is not None else None}
-    for where in ("in", "out"):
-        for stat, q in (("p50", 50.0), ("p99", 99.0), ("max", 100.0)):
-            out[f"text_itl_{where}_window_{stat}_ms"] = percentile_ms(gaps[where], q)
     ttfts = [v.ttft_s for v in done if v.ttft_s is not None]
-    return out | {"text_itl_in_window_gaps": len(gaps["in"]), "video_ttft_median_ms": percentile_ms(ttfts, 50.0),
-                  "video_ttft_max_ms": percentile_ms(ttfts, 100.0)}  # fmt: skip
+    return {"video_window_s": window[1] - window[0] if window is not None else None,
+            **{f"text_itl_{where}_window_{stat}_ms": percentile_ms(gaps[where], q) for where in ("in", "out")
+               for stat, q in (("p50", 50.0), ("p99", 99.0), ("max", 100.0))},
+            "text_itl_in_window_gaps": len(gaps["in"]), "video_ttft_median_ms": percentile_ms(ttfts, 50.0),
+            "video_ttft_max_ms": percentile_ms(ttfts, 100.0)}  # fmt: skip
 
 
 def greedy_agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -195,8 +193,7 @@ _HEAD = (("Successful requests:", "completed", "d"), ("Failed requests:", "faile
 def format_metrics(m: dict, more: Sequence[tuple[str, Any]] = ()) -> str:
     """vLLM's text summary of one run's `compute_metrics`, then `more` (label, value) rows of the report's."""
     rows = [(label, num(m[key], spec)) for label, key, spec in _HEAD if m.get(key) is not None]
-    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
-        pcts = [k.split("_")[0] for k in m if k.startswith("p") and k.endswith(f"_{name}_ms")]  # as asked
-        stats = ["mean", "median", *(p for p in pcts if p != "p50")]  # p50: the median again
-        rows.append((f"{title} (ms):", stat_list(m, f"{{}}_{name}_ms", stats)))
+    stats = ["mean", "median", *(f"p{p:g}" for p in PERCENTILES if p != 50.0)]  # p50: the median again
+    rows += [(f"{title} (ms):", stat_list(m, f"{{}}_{name}_ms", stats))
+             for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))]
     return summary([*rows, *more])
