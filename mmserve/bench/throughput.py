@@ -108,19 +108,10 @@ class ExpertTimer:
         return self.seconds / forward_s if self._handles and forward_s > 0 else None
 
 
-def _unlike(p: Any) -> Any:
-    """A warm-up request shaped as engine prompt `p` with other content (no prefix- or encoder-cache hits in
-    the timed run): text reversed, images inverted, videos cut to 4 inverted frames."""
-    from PIL import ImageOps
-
-    if not isinstance(p, dict):
-        return p[::-1]
-    return {"prompt": p["prompt"], "images": [ImageOps.invert(im) for im in p.get("images", [])],
-            "videos": [255 - v[:4] for v in p.get("videos", [])]}  # fmt: skip
-
-
 def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputBenchConfig) -> Run:
     """All requests through `LLM.generate` at once, or (long-video) through the arrival driver."""
+    from PIL import ImageOps
+
     from mmserve import LLM, SamplingParams
     from mmserve.request import StructuredOutputs
 
@@ -134,11 +125,13 @@ def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputB
     spec = StructuredOutputs(regex=STRUCTURED_REGEX) if system == "mmserve-structured" else None
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, structured_outputs=spec)
               for n in workload.output_lens]  # fmt: skip
-    # What the engine is given per request: the media prompt dict, or the token ids of a text one.
-    media = workload.mm_prompts or [None] * len(workload.prompts)
-    prompts = [m if m is not None else p for m, p in zip(media, workload.prompts, strict=True)]
-    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    llm.generate([_unlike(prompts[0]), _unlike(prompts[-1])], warm)  # the first and last requests' shapes
+    prompts = [p if workload.is_text(i) else workload.mm_prompts[i] for i, p in enumerate(workload.prompts)]
+    # Warm-up: the first and last requests' shapes with other content (no prefix- or encoder-cache hits in the
+    # timed run): text reversed, images inverted, videos cut to 4 inverted frames.
+    llm.generate([p[::-1] if not isinstance(p, dict) else
+                  {"prompt": p["prompt"], "images": [ImageOps.invert(im) for im in p.get("images", [])],
+                   "videos": [255 - v[:4] for v in p.get("videos", [])]} for p in (prompts[0], prompts[-1])],
+                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # fmt: skip
     timer = ExpertTimer(llm.engine.executor.local_model())
     llm.step_records.clear()
     if workload.arrival_steps is None:
@@ -202,15 +195,14 @@ def _arrival_stats(llm: LLM, workload: Workload, stamps: list[list[float]], firs
     composition."""
     gaps = np.concatenate([np.diff(s) for i, s in enumerate(stamps) if workload.is_text(i) and len(s) > 1]
                           or [np.zeros(0)])  # [num gaps] seconds  # fmt: skip
+    itl_ms = [float(x) * 1e3 for x in np.percentile(gaps, [50, 99])] if len(gaps) else [None, None]
     times = [s.duration_s for s in llm.step_records]
     median = float(np.median(times))
     # The longest step from the first video's arrival on (the text prefills before it left out): what a
     # long video joining running decodes does to them.
     since_video = max(times[first_video_step:] or [0.0])
     return {
-        "itl_p50_ms": float(np.percentile(gaps, 50)) * 1e3 if len(gaps) else None,
-        "itl_p99_ms": float(np.percentile(gaps, 99)) * 1e3 if len(gaps) else None,
-        "max_step_s": max(times), "median_step_s": median,
+        "itl_p50_ms": itl_ms[0], "itl_p99_ms": itl_ms[1], "max_step_s": max(times), "median_step_s": median,
         "max_encoder_tokens_in_a_step": max(s.num_encoder_tokens for s in llm.step_records),
         "timeline": step_timeline(llm.step_records), "max_step_over_median": max(times) / median,
         "max_step_since_video_s": since_video, "max_step_since_video_over_median": since_video / median,
@@ -262,8 +254,7 @@ def bench_throughput(model_dir: Path, config: ThroughputBenchConfig, progress: b
                 gc.collect()
                 bar.update()
     roofline = max(rooflines)  # a ceiling: noise only ever makes a measurement of it lower
-    all_tokens = workload.num_prompt_tokens + workload.num_output_tokens
-    bound = workload.num_output_tokens / (all_tokens / roofline)  # output tokens/s at the roofline
+    bound = roofline * workload.num_output_tokens / (workload.num_prompt_tokens + workload.num_output_tokens)
     # Each system's median run by wall time (of an even count, the faster middle one).
     median_runs = {k: sorted(v, key=lambda r: r.elapsed_s)[(len(v) - 1) // 2] for k, v in runs.items()}
     systems = {k: _system_entry(k, v, median_runs[k], workload, bound) for k, v in runs.items()}
