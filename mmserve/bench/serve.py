@@ -80,7 +80,12 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
         raise ValueError("give --url or --model")
     if cfg.url is not None and cfg.offline and model is None:
         raise ValueError("the offline baseline needs --model (the server's checkpoint)")
-    peers = [_peer(i, spec) for i, spec in enumerate(cfg.peer)]
+    peers: list[tuple[str, str]] = []  # --peer NAME=URL (or URL: peerN) -> (name, base URL)
+    for i, spec in enumerate(cfg.peer):
+        name, peer_url = spec.split("=", 1) if "=" in spec else (f"peer{i + 1}", spec)
+        if not name or "/" in name or not peer_url.startswith(("http://", "https://")):
+            raise ValueError(f"--peer: expected NAME=URL or URL (http:// or https://), got {spec!r}")
+        peers.append((name, peer_url.rstrip("/")))
     # Peers speak the OpenAI HTTP API only: with peers, mmserve runs HTTP too, on the same requests. A target:
     # (its figures' key, "{}" the transport: "{}", "{}/no-chunk" or "NAME/{}"; `run_requests`' options for it).
     transports = cfg.transports + (("http",) if peers and "http" not in cfg.transports else ())
@@ -118,7 +123,13 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
                         "round": round_index, "ttft_s": t.ttft_s, "tpot_s": t.tpot_s, "e2el_s": t.e2el_s,
                         "itls_s": t.itls_s, "output_tokens": t.output_tokens, "success": t.success}
                         for t in timings)  # fmt: skip
-    results = {key: _median_round(figures) for key, figures in rounds.items()}
+    # Each key's figures: its round of median output throughput (the lower middle of an even count), with every
+    # round's headline figures under "rounds" when there were several.
+    results: dict[str, dict] = {}
+    for key, figures in rounds.items():
+        results[key] = dict(sorted(figures, key=lambda r: r["output_throughput"])[(len(figures) - 1) // 2])
+        if len(figures) > 1:
+            results[key]["rounds"] = [{k: r.get(k) for k in _ROUND_FIGURES} for r in figures]
     offline = None
     if cfg.offline:
         assert model is not None
@@ -140,14 +151,6 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
             "peers": peer_ratios or None, "requests": raw}  # fmt: skip
 
 
-def _peer(index: int, spec: str) -> tuple[str, str]:
-    """--peer NAME=URL (or URL: peerN) -> (name, base URL)."""
-    name, url = spec.split("=", 1) if "=" in spec else (f"peer{index + 1}", spec)
-    if not name or "/" in name or not url.startswith(("http://", "https://")):
-        raise ValueError(f"--peer: expected NAME=URL or URL (http:// or https://), got {spec!r}")
-    return name, url.rstrip("/")
-
-
 def _run(server: dict[str, Any], transport: str, requests: list[Request], cfg: ServeBenchConfig,
          goodput_slos: dict[str, float] | None, progress: bool) -> tuple[list[RequestTiming], dict]:
     """One timed run of `requests` over `transport` on the server `server` names (`run_requests`' url, api_key,
@@ -165,15 +168,6 @@ def _run(server: dict[str, Any], transport: str, requests: list[Request], cfg: S
         figures |= video_interference(timings[:texts], timings[texts:])
     figures |= {**server_figures, "errors": sorted({t.error for t in timings if t.error})[:10]}
     return timings, figures
-
-
-def _median_round(rounds: list[dict]) -> dict:
-    """One key's figures over the rounds: the round of median output throughput (the lower middle of an
-    even count), with every round's headline figures under `rounds` when there were several."""
-    figures = dict(sorted(rounds, key=lambda r: r["output_throughput"])[(len(rounds) - 1) // 2])
-    if len(rounds) > 1:
-        figures["rounds"] = [{k: r.get(k) for k in _ROUND_FIGURES} for r in rounds]
-    return figures
 
 
 def _peer_comparison(ours: list[dict], theirs: list[dict]) -> dict:

@@ -76,10 +76,10 @@ class Calibration:
         tbt = 10.0 * math.ceil(400.0 * self.tpot_s)
         return max(10.0 * math.ceil(1000.0 * self.ttft_s), 5.0 * tbt), tbt
 
-    def num_batch(self, duration_s: float, share: float = 0.5) -> int:
-        """Batch jobs (a multiple of the 3 kinds) whose prefills alone take about `share` of `duration_s`: a
+    def num_batch(self, duration_s: float) -> int:
+        """Batch jobs (a multiple of the 3 kinds) whose prefills alone take about half of `duration_s`: a
         backlog that lasts through the phase on any machine, not one a fast CPU clears in its first second."""
-        return 3 * max(1, round(share * duration_s / self.batch_prefill_s))
+        return 3 * max(1, round(0.5 * duration_s / self.batch_prefill_s))
 
     def start_load(self) -> float:
         """A quarter of the burst rate, to two significant digits: well under capacity on any machine."""
@@ -142,10 +142,9 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
     measurement of the machine at start (`calibrate`), so the same command stresses a slow and a fast CPU
     alike."""
     tokenizer = load_tokenizer(model)
-    calibration: Calibration | None = None
+    calibration = calibrate(model, cfg, tokenizer, progress) if sweep and sweep.needs_calibration() else None
     start = cfg.loads[0]
     if sweep is not None:
-        calibration = calibrate(model, cfg, tokenizer, progress) if sweep.needs_calibration() else None
         start, ttft_ms, tbt_ms, num_batch = sweep.resolved(calibration, cfg.duration_s)
         cfg = replace(cfg, ttft_ms=ttft_ms, tbt_ms=tbt_ms, num_batch=num_batch)
         if progress:
@@ -169,7 +168,7 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
                 m["errors"] = sorted({t.error for t in timings if t.error})[:5]
                 if progress:  # one phase in a line
                     i, b = m[INTERACTIVE], m[BATCH]
-                    print(f"slo-mix: {policy} @ {key} chats/s: chat SLO {_percent(i['slo_attainment'])}, "
+                    print(f"slo-mix: {policy} @ {key} chats/s: chat SLO {num(i['slo_attainment'], '.0%')}, "
                           f"TTFT p50/p99 {_ms(i, 'ttft', 'median', 'p99')} ms, TPOT p50/p99 "
                           f"{_ms(i, 'tpot', 'median', 'p99')} ms; batch {b['throughput_tok_s']:.0f} tok/s, "
                           f"TTFT p50 {_ms(b, 'ttft', 'median')} ms", flush=True)  # fmt: skip
@@ -226,10 +225,6 @@ def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calib
             "calibration": None if calibration is None else asdict(calibration), "policies": policies}  # fmt: skip
 
 
-def _percent(share: float | None) -> str:
-    return "n/a" if share is None else f"{100 * share:.0f}%"
-
-
 def _ms(m: dict, figure: str, *stats: str) -> str:
     """One class's `figure` (ttft, tpot) at each of `stats` (median, p90, ...), in whole ms, "/"-joined."""
     return "/".join(num(m[f"{stat}_{figure}_ms"], ".0f") for stat in stats)
@@ -244,7 +239,7 @@ def format_report(report: dict) -> str:
         for policy, by_load in results.items():
             i, b = by_load[load][INTERACTIVE], by_load[load][BATCH]
             vs_fcfs = ratio(b["throughput_tok_s"], fcfs[BATCH]["throughput_tok_s"]) if fcfs else None
-            rows.append((load, policy, f"{_percent(i['slo_attainment'])} ({i['requests']})",
+            rows.append((load, policy, f"{num(i['slo_attainment'], '.0%')} ({i['requests']})",
                          num(i["goodput_rps"], ".2f"), _ms(i, "ttft", "median", "p90", "p99"),
                          _ms(i, "tpot", "median", "p99"), _ms(b, "ttft", "median"), _ms(b, "tpot", "median"),
                          num(b["throughput_tok_s"], ".0f"), num(vs_fcfs, ".2f")))  # fmt: skip

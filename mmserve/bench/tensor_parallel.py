@@ -8,7 +8,6 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,20 +21,14 @@ from mmserve.engine.messages import StepRecord
 
 if TYPE_CHECKING:
     from mmserve import LLM
-
-def decode_steps(steps: Sequence[StepRecord], num_requests: int) -> list[StepRecord]:
-    """Pure decode steps with every request decoding: no prefill, no media, `num_requests` tokens."""
-    return [s for s in steps if s.num_decode_tokens == num_requests and s.num_prefill_tokens == s.num_encoder_tokens == 0]
+    from mmserve.models.config import DecoderConfig
 
 
-def comm_model(model_dir: Path, tp: int, num_tokens: int, dtype: torch.dtype) -> dict:
+def comm_model(cfg: DecoderConfig, tp: int, num_tokens: int, dtype: torch.dtype) -> dict:
     """Bytes the first rank puts into collectives in a text decode step of `num_tokens` tokens, by the
     layers' recipe (models/parallel.py): the vocab-parallel embedding and each layer's o_proj and down
     projection all-reduce [num_tokens, hidden] in the model's dtype; the LM head gathers this rank's
     fp32 logits [num_tokens, padded vocab / tp] to the first rank. Zero with one rank."""
-    from mmserve.models.config import DecoderConfig
-
-    cfg, _ = DecoderConfig.from_pretrained(model_dir)
     num_all_reduces = 0 if tp == 1 else 1 + 2 * cfg.num_layers
     all_reduce = num_all_reduces * num_tokens * cfg.hidden_size * dtype.itemsize
     gather = 0 if tp == 1 else num_tokens * math.ceil(cfg.vocab_size / tp) * 4
@@ -46,52 +39,6 @@ def _prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int
     rng = random.Random(seed)
     # Ids well inside the vocabulary, away from the special tokens at its end (as workload.py).
     return [[rng.randrange(100, vocab_size - 200) for _ in range(length)] for _ in range(num)]
-
-
-def _stats(per_round: list[list[StepRecord]], concurrency: int) -> dict:
-    steps = [s for r in per_round for s in r]
-    durations = np.array([s.duration_s for s in steps])
-    forward = np.array([s.forward_duration_s for s in steps])
-    sampling = np.array([s.sampling_duration_s for s in steps])
-    comm = float(np.mean([s.comm_bytes for s in steps]))
-    median = float(np.median(durations))
-    return {
-        "num_steps": len(steps),
-        "median_step_s": median,
-        "p90_step_s": float(np.percentile(durations, 90)),
-        "median_forward_s": float(np.median(forward)),
-        "median_sampling_s": float(np.median(sampling)),
-        # scheduler, plan building and (TP > 1) the plan's broadcast to the other ranks
-        "median_other_s": float(np.median(durations - forward - sampling)),
-        "decode_tokens_per_s": concurrency / median,
-        "mean_comm_bytes": comm,
-        "comm_bytes_per_decode_token": comm / concurrency,
-        "round_median_step_s": [float(np.median([s.duration_s for s in r])) for r in per_round],
-        "step_durations_s": durations.tolist(),
-    }
-
-
-def _build(model_dir: Path, tp: int, cfg: TensorParallelBenchConfig) -> tuple[LLM, dict]:
-    from mmserve import LLM
-
-    threads_before = torch.get_num_threads()
-    start = time.perf_counter()
-    llm = LLM(model_dir, tensor_parallel_size=tp, max_num_seqs=max(cfg.concurrency), block_size=cfg.block_size,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, num_kv_blocks=cfg.num_kv_blocks)  # fmt: skip
-    info = llm.engine.info()
-    engine = {
-        "startup_s": time.perf_counter() - start,
-        # On the CPU a multi-rank engine splits the cores among its ranks (and sets this process's
-        # threads to its share); a one-rank engine keeps what the process had.
-        "torch_threads_per_rank": torch.get_num_threads(),
-        "device": info.device,
-        "dtype": info.dtype,
-        "attention_backend": info.attention_backend,
-        "weight_bytes_per_rank": getattr(info, "weight_bytes", None),
-        "kv_cache_bytes_per_rank": info.kv_cache_bytes,
-    }
-    torch.set_num_threads(threads_before)
-    return llm, engine
 
 
 def _run_once(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[list[StepRecord], list[list[int]]]:
@@ -105,6 +52,7 @@ def _run_once(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[list
 def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progress: bool = False) -> dict:
     """Every TP size on the same requests, alternating: for each round and concurrency the sizes run
     one after another (reversed every other round, so drift on a shared machine hits them alike)."""
+    from mmserve import LLM
     from mmserve.models.config import DecoderConfig
     from mmserve.models.parallel import check_tensor_parallel
 
@@ -119,7 +67,20 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
     differing: dict[tuple[int, int], int] = {}  # (tp, concurrency) -> most requests unlike the first size's
     try:
         for tp in cfg.tensor_parallel_sizes:
-            llms[tp], engines[tp] = _build(model_dir, tp, cfg)
+            start = time.perf_counter()
+            llms[tp] = LLM(model_dir, tensor_parallel_size=tp, max_num_seqs=max(cfg.concurrency),
+                           block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                           num_kv_blocks=cfg.num_kv_blocks)  # fmt: skip
+            info = llms[tp].engine.info()
+            engines[tp] = {
+                "startup_s": time.perf_counter() - start,
+                # On the CPU a multi-rank engine splits the cores among its ranks (and sets this process's
+                # threads to its share); a one-rank engine keeps what the process had.
+                "torch_threads_per_rank": torch.get_num_threads(),
+                "device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend,
+                "weight_bytes_per_rank": info.weight_bytes, "kv_cache_bytes_per_rank": info.kv_cache_bytes,
+            }  # fmt: skip
+            torch.set_num_threads(base_threads)
             if progress:
                 print(f"tp={tp}: started in {engines[tp]['startup_s']:.1f} s", flush=True)
         warm = _prompts(model_cfg.vocab_size, max(cfg.concurrency), cfg.input_len, cfg.seed + 10_000)
@@ -135,7 +96,9 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
                     torch.set_num_threads(engines[tp]["torch_threads_per_rank"])
                     start = time.perf_counter()
                     records, tokens[tp] = _run_once(llms[tp], prompts, cfg.output_len)
-                    pure = decode_steps(records, concurrency)
+                    # pure decode steps, every request decoding: no prefill, no media, `concurrency` tokens
+                    pure = [s for s in records if s.num_decode_tokens == concurrency
+                            and s.num_prefill_tokens == s.num_encoder_tokens == 0]  # fmt: skip
                     if not pure:
                         raise ValueError(f"tp={tp}, concurrency {concurrency}: no step had every request decoding "
                                          "(raise --output-len or --max-num-batched-tokens)")  # fmt: skip
@@ -157,14 +120,32 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
                   **other_cpu(cpu_before, cpu_times())}  # fmt: skip
     results: dict[str, dict[str, dict]] = {}
     for (tp, concurrency), per_round in steps.items():
-        row = _stats(per_round, concurrency)
-        model = comm_model(model_dir, tp, concurrency, getattr(torch, engines[tp]["dtype"]))
-        row["comm_bytes_model"] = model
-        row["comm_bytes_match_model"] = row["mean_comm_bytes"] == model["total"]
-        # bytes all-reduced per decode token: the measured total less the LM head's logit gather
-        row["all_reduce_bytes_per_decode_token"] = (row["mean_comm_bytes"] - model["gather"]) / concurrency
-        row["outputs_differing_from_first_size"] = differing[(tp, concurrency)]
-        results.setdefault(str(tp), {})[str(concurrency)] = row
+        cell = [s for r in per_round for s in r]
+        durations = np.array([s.duration_s for s in cell])
+        forward = np.array([s.forward_duration_s for s in cell])
+        sampling = np.array([s.sampling_duration_s for s in cell])
+        comm = float(np.mean([s.comm_bytes for s in cell]))
+        median = float(np.median(durations))
+        model = comm_model(model_cfg, tp, concurrency, getattr(torch, engines[tp]["dtype"]))
+        results.setdefault(str(tp), {})[str(concurrency)] = {
+            "num_steps": len(cell),
+            "median_step_s": median,
+            "p90_step_s": float(np.percentile(durations, 90)),
+            "median_forward_s": float(np.median(forward)),
+            "median_sampling_s": float(np.median(sampling)),
+            # scheduler, plan building and (TP > 1) the plan's broadcast to the other ranks
+            "median_other_s": float(np.median(durations - forward - sampling)),
+            "decode_tokens_per_s": concurrency / median,
+            "mean_comm_bytes": comm,
+            "comm_bytes_per_decode_token": comm / concurrency,
+            "round_median_step_s": [float(np.median([s.duration_s for s in r])) for r in per_round],
+            "step_durations_s": durations.tolist(),
+            "comm_bytes_model": model,
+            "comm_bytes_match_model": comm == model["total"],
+            # bytes all-reduced per decode token: the measured total less the LM head's logit gather
+            "all_reduce_bytes_per_decode_token": (comm - model["gather"]) / concurrency,
+            "outputs_differing_from_first_size": differing[(tp, concurrency)],
+        }
     base_tp = 1 if 1 in cfg.tensor_parallel_sizes else cfg.tensor_parallel_sizes[0]
     base = results[str(base_tp)]
     return {
