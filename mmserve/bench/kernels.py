@@ -106,18 +106,11 @@ def build_case(chunks: Sequence[tuple[int, int]], num_decodes: int, decode_conte
 def sdpa_baseline(case: Case, scale: float) -> Callable[[], torch.Tensor]:
     """SDPA over the gathered K/V: decodes batched with the query group as the query length (exact for
     GQA decode, no mask), each chunk with a bottom-right causal mask over its context."""
-    _, num_heads, head_dim = case.query.shape
-    b = case.num_decodes
-    masks = []
-    for i in range(b, len(case.seq_lens)):
-        n, seq_len = case.query_start_loc[i + 1] - case.query_start_loc[i], case.seq_lens[i]
-        try:
-            from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.attention.bias import causal_lower_right
 
-            masks.append(causal_lower_right(n, seq_len))
-        except ImportError:
-            pos = torch.arange(seq_len, device=case.query.device)
-            masks.append(pos[None, :] <= pos[seq_len - n :, None])
+    _, num_heads, head_dim = case.query.shape
+    b, starts = case.num_decodes, case.query_start_loc
+    masks = [causal_lower_right(starts[i + 1] - starts[i], case.seq_lens[i]) for i in range(b, len(case.seq_lens))]
 
     def run() -> torch.Tensor:
         out = torch.empty_like(case.query)

@@ -18,6 +18,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.bench import KVCacheBenchConfig, num, table
 from mmserve.bench.machine import cpu_model
 from mmserve.bench.metrics import greedy_agreement
+from mmserve.bench.workload import random_prompts
 from mmserve.engine.core import DTYPES
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.models.config import DecoderConfig
@@ -26,19 +27,14 @@ _WORDS = ("the", "a", "river", "stone", "light", "under", "quiet", "north", "tab
           "blue", "winter", "green", "market", "slowly", "paper", "window", "garden")  # fmt: skip
 
 
-def _prompts(n: int, length: int, vocabulary: list[int], rng: random.Random) -> list[list[int]]:
-    """n prompts of exactly `length` token ids drawn from `vocabulary`."""
-    return [[rng.choice(vocabulary) for _ in range(length)] for _ in range(n)]
-
-
 def bench_kv_cache(model: Path, cfg: KVCacheBenchConfig) -> dict[str, Any]:
     decoder, _ = DecoderConfig.from_pretrained(model)
     block_size = 16
     memory = cfg.kv_cache_tokens * ModelRunner.kv_bytes_per_block(decoder, block_size, DTYPES[cfg.dtype]) // block_size
     rng = random.Random(cfg.seed)
     vocabulary = sorted(set(AutoTokenizer.from_pretrained(model).encode(" ".join(_WORDS))))
-    batch = _prompts(cfg.num_requests, cfg.prompt_len, vocabulary, rng)
-    accuracy = _prompts(cfg.accuracy_prompts, cfg.prompt_len, vocabulary, rng)
+    batch = random_prompts(rng, cfg.num_requests, cfg.prompt_len, vocabulary)
+    accuracy = random_prompts(rng, cfg.accuracy_prompts, cfg.prompt_len, vocabulary)
     max_len = cfg.prompt_len + max(cfg.output_len, cfg.accuracy_tokens)
     per_seq_blocks = -(-(cfg.prompt_len + cfg.output_len) // block_size)
     llms = {}

@@ -19,6 +19,7 @@ from typing import Any
 from mmserve.bench import BENCH_FORMATS, QuantizationBenchConfig, num, table  # noqa: F401  (BENCH_FORMATS: tests check it)
 from mmserve.bench.machine import cpu_model
 from mmserve.bench.metrics import greedy_agreement
+from mmserve.bench.workload import random_prompts
 
 _PLAIN_IDS = 4000  # prompt ids drawn below this and below the first special token's id
 
@@ -34,9 +35,9 @@ def bench_quantization(model: Path, cfg: QuantizationBenchConfig) -> dict[str, A
     rng = random.Random(cfg.seed)
     limit = _plain_id_limit(model)
     prompts = {
-        "accuracy": _prompts(cfg.accuracy_prompts, cfg.prompt_len, limit, rng),
-        "prefill": _prompts(cfg.prefill_prompts, cfg.prefill_len, limit, rng),
-        "decode": _prompts(cfg.decode_batch, cfg.prompt_len, limit, rng),
+        "accuracy": random_prompts(rng, cfg.accuracy_prompts, cfg.prompt_len, range(limit)),
+        "prefill": random_prompts(rng, cfg.prefill_prompts, cfg.prefill_len, range(limit)),
+        "decode": random_prompts(rng, cfg.decode_batch, cfg.prompt_len, range(limit)),
     }
     engines: dict[tuple[str, str], Any] = {}
     rows: dict[tuple[str, str], dict[str, Any]] = {}
@@ -79,10 +80,6 @@ def _plain_id_limit(model: Path) -> int:
 
     specials = AutoTokenizer.from_pretrained(model).all_special_ids
     return min([_PLAIN_IDS, *specials])
-
-
-def _prompts(n: int, length: int, limit: int, rng: random.Random) -> list[list[int]]:
-    return [[rng.randrange(limit) for _ in range(length)] for _ in range(n)]
 
 
 def _start(model_dir: Path, path: str | None, cfg: QuantizationBenchConfig) -> tuple[Any, dict[str, Any]]:

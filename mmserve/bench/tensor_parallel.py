@@ -17,6 +17,7 @@ import torch
 
 from mmserve.bench import TensorParallelBenchConfig, num, table
 from mmserve.bench.machine import cpu_model, cpu_times, load_average, other_cpu
+from mmserve.bench.workload import plain_ids, random_prompts
 from mmserve.engine.messages import StepRecord
 
 if TYPE_CHECKING:
@@ -33,12 +34,6 @@ def comm_model(cfg: DecoderConfig, tp: int, num_tokens: int, dtype: torch.dtype)
     all_reduce = num_all_reduces * num_tokens * cfg.hidden_size * dtype.itemsize
     gather = 0 if tp == 1 else num_tokens * math.ceil(cfg.vocab_size / tp) * 4
     return {"all_reduce": all_reduce, "gather": gather, "total": all_reduce + gather, "num_all_reduces": num_all_reduces}
-
-
-def _prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Ids well inside the vocabulary, away from the special tokens at its end (as workload.py).
-    return [[rng.randrange(100, vocab_size - 200) for _ in range(length)] for _ in range(num)]
 
 
 def _run_once(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[list[StepRecord], list[list[int]]]:
@@ -83,14 +78,15 @@ def bench_tensor_parallel(model_dir: Path, cfg: TensorParallelBenchConfig, progr
             torch.set_num_threads(base_threads)
             if progress:
                 print(f"tp={tp}: started in {engines[tp]['startup_s']:.1f} s", flush=True)
-        warm = _prompts(model_cfg.vocab_size, max(cfg.concurrency), cfg.input_len, cfg.seed + 10_000)
+        ids = plain_ids(model_cfg.vocab_size)
+        warm = random_prompts(random.Random(cfg.seed + 10_000), max(cfg.concurrency), cfg.input_len, ids)
         for tp, llm in llms.items():
             torch.set_num_threads(engines[tp]["torch_threads_per_rank"])
             _run_once(llm, warm, 4)
         for rnd in range(cfg.rounds):
             order = list(cfg.tensor_parallel_sizes)[:: -1 if rnd % 2 else 1]
             for c_index, concurrency in enumerate(cfg.concurrency):
-                prompts = _prompts(model_cfg.vocab_size, concurrency, cfg.input_len, cfg.seed + 100 * rnd + c_index)
+                prompts = random_prompts(random.Random(cfg.seed + 100 * rnd + c_index), concurrency, cfg.input_len, ids)
                 tokens: dict[int, list[list[int]]] = {}
                 for tp in order:
                     torch.set_num_threads(engines[tp]["torch_threads_per_rank"])

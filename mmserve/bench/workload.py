@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,8 +238,18 @@ class Workload:
         return self.mm_prompts is None or self.mm_prompts[i] is None
 
 
+def plain_ids(vocab_size: int) -> range:
+    """Token ids well inside a vocabulary, away from the special tokens at either end."""
+    return range(100, vocab_size - 200)
+
+
+def random_prompts(rng: random.Random, n: int, length: int, ids: Sequence[int]) -> list[list[int]]:
+    """`n` prompts of `length` token ids, each drawn from `ids` (a range draws as `randrange` would)."""
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
+
+
 def _random_ids(rng: random.Random, vocab_size: int, n: int) -> list[int]:
-    return [rng.randrange(100, vocab_size - 200) for _ in range(n)]
+    return random_prompts(rng, 1, n, plain_ids(vocab_size))[0]
 
 
 def random_workload(vocab_size: int, c: ThroughputBenchConfig, seed: int) -> Workload:
