@@ -169,8 +169,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     print(module.format_report(report))
     if json_path is not None:
         print(f"wrote {json_path}")
-    if name == "profile":
-        print(f"wrote {report['out']} (serve with --scheduler-policy slo --step-time-model {report['out']})")
     if plotter is not None and plot_dir is not None:
         from mmserve.bench import plots  # matplotlib is imported only when a plot is asked for
 

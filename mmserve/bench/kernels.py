@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,22 +36,6 @@ MIXED: dict[str, tuple[list[tuple[int, int]], tuple[int, int]]] = {
 }
 # The issue's goal: decode at batch 64, context 4k, >= 70% of copy bandwidth and faster than SDPA.
 GOAL_BATCH, GOAL_CONTEXT, GOAL_FRACTION = 64, 4096, 0.7
-
-
-@dataclass(frozen=True)
-class Result:
-    name: str
-    num_seqs: int
-    num_tokens: int  # query rows
-    max_context: int
-    num_splits: int  # 1: single pass; >1: split-KV partials + reduce
-    triton_ms: float
-    sdpa_ms: float
-    kv_bytes: int  # K/V bytes the batch must read at least once
-    triton_bytes_per_s: float
-    fraction_of_copy: float  # triton_bytes_per_s / measured copy bandwidth
-    speedup_vs_sdpa: float  # sdpa_ms / triton_ms: > 1 means the paged kernel is faster
-    max_abs_diff: float  # triton output vs SDPA output
 
 
 @dataclass
@@ -154,9 +139,9 @@ def copy_bandwidth(device: torch.device, timer: Callable[[Callable[[], object]],
     return 2 * nbytes / (ms * 1e-3)
 
 
-def measure(
-    name: str, case: Case, shape: Shape, copy_bw: float, timer: Callable[[Callable[[], object]], float]
-) -> Result:
+def measure(name: str, case: Case, shape: Shape, copy_bw: float,
+            timer: Callable[[Callable[[], object]], float]) -> dict[str, Any]:  # fmt: skip
+    """One case's row of the report (`max_abs_diff`: the paged kernel's output against SDPA's)."""
     from mmserve.kernels import triton_attention
 
     scale = shape.head_dim**-0.5
@@ -167,8 +152,14 @@ def measure(
     plan = triton_attention.launch_plan(case.query, case.kv_cache, case.query_start_loc, case.seq_lens)
     kv_bytes = sum(case.seq_lens) * 2 * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
     rate = kv_bytes / (triton_ms * 1e-3)
-    return Result(name, len(case.seq_lens), case.query.shape[0], max(case.seq_lens), plan.num_splits, triton_ms,
-                  sdpa_ms, kv_bytes, rate, rate / copy_bw, sdpa_ms / triton_ms, diff)  # fmt: skip
+    return {"name": name, "num_seqs": len(case.seq_lens), "num_tokens": case.query.shape[0],  # query rows
+            "max_context": max(case.seq_lens),
+            "num_splits": plan.num_splits,  # 1: single pass; >1: split-KV partials + reduce
+            "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
+            "kv_bytes": kv_bytes,  # K/V bytes the batch must read at least once
+            "triton_bytes_per_s": rate, "fraction_of_copy": rate / copy_bw,  # of the measured copy bandwidth
+            "speedup_vs_sdpa": sdpa_ms / triton_ms,  # > 1: the paged kernel is faster
+            "max_abs_diff": diff}  # fmt: skip
 
 
 def bench_kernels(cfg: KernelsBenchConfig) -> dict:
@@ -189,14 +180,14 @@ def bench_kernels(cfg: KernelsBenchConfig) -> dict:
     copy_bw = copy_bandwidth(device, timer, copy_bytes)
     cases = [(f"decode b={b} ctx={c}", [], (b, c)) for c in contexts for b in batches]
     cases += [(f"mixed: {n}", chunks, decodes) for n, (chunks, decodes) in mixed.items()]
-    results: list[Result] = []
+    results: list[dict[str, Any]] = []
     for case_name, chunks, (num_decodes, context) in cases:
         results.append(measure(case_name, build_case(chunks, num_decodes, context, shape, device), shape, copy_bw, timer))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the case's cache and tensors are gone: the next case has the memory
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter smoke run)"
     return {"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_bytes_per_s": copy_bw,
-            "shape": {**asdict(shape), "dtype": str(shape.dtype)}, "results": [asdict(r) for r in results]}  # fmt: skip
+            "shape": {**asdict(shape), "dtype": str(shape.dtype)}, "results": results}  # fmt: skip
 
 
 def format_report(report: dict) -> str:

@@ -90,7 +90,8 @@ def format_report(report: dict) -> str:
     return "\n".join([f"step-time model of {report['model']} from {report['num_samples']} steps:",
                       *(f"  {name:<16}{c[name]:.3e} s" for name in FEATURES),
                       f"  median / p90 relative error: {report['median_relative_error']:.0%} / "
-                      f"{report['p90_relative_error']:.0%}"])  # fmt: skip
+                      f"{report['p90_relative_error']:.0%}",
+                      f"wrote {report['out']} (serve with --scheduler-policy slo --step-time-model {report['out']})"])  # fmt: skip
 
 
 def bench_profile(model: Path, out: Path, cfg: ProfileBenchConfig) -> dict:
