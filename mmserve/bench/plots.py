@@ -43,13 +43,8 @@ def plot_throughput(report: dict, out_dir: Path) -> list[Path]:
     base_name = "hf-static" if "hf-static" in report["systems"] else names[0]
     base = report["systems"][base_name]["output_tokens_per_s"]
     fig, ax = _figure(out_dir, 1, 1, (1.4 * len(names) + 2.5, 3.6))
-    bars = ax.bar(names, rates, color="#4c72b0")
-    for bar, r in zip(bars, systems, strict=True):
-        ax.annotate(
-            f"{r['output_tokens_per_s'] / base:.2f}x\n{r['efficiency']:.0%} of bound",
-            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-            ha="center", va="bottom", fontsize=8,
-        )  # fmt: skip
+    ax.bar_label(ax.bar(names, rates, color="#4c72b0"), fontsize=8,
+                 labels=[f"{r['output_tokens_per_s'] / base:.2f}x\n{r['efficiency']:.0%} of bound" for r in systems])  # fmt: skip
     ax.axhline(report["output_tokens_per_s_bound"], color="#c44e52", ls="--", lw=1, label="roofline bound")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"throughput, {report['config'].get('workload', 'random')} (ratios vs {base_name})", fontsize=9)
@@ -186,9 +181,7 @@ def plot_tensor_parallel(report: dict, out_dir: Path) -> list[Path]:
     for i, (tp, by_c) in enumerate(report["step_time_ratio_to_base"].items()):
         x = np.arange(len(concurrency)) + (i - (num_ratios - 1) / 2) * width  # centred on each tick
         bars = rax.bar(x, [by_c[str(c)] for c in concurrency], width, label=f"TP={tp} / TP={base}")
-        for bar, c in zip(bars, concurrency, strict=True):
-            rax.annotate(f"{by_c[str(c)]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                         ha="center", va="bottom", fontsize=8)  # fmt: skip
+        rax.bar_label(bars, labels=[f"{by_c[str(c)]:.2f}x" for c in concurrency], fontsize=8)
     rax.axhline(1.0, color="black", lw=1, ls="--")
     rax.set_xticks(np.arange(len(concurrency)), [str(c) for c in concurrency])
     rax.set_xlabel("concurrent decoding requests")
