@@ -4,9 +4,7 @@ q/k norms, decode and prefill row counts; the fallbacks; and the decoder run thr
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 from mmserve.kernels import cpu_fused, dispatch, reference
+from tests.test_kernels import python_with_kernel_cache
 
 pytestmark = pytest.mark.skipif(not cpu_fused.load(), reason="no C compiler")
 
@@ -138,14 +137,7 @@ def test_decoder_greedy_tokens_are_the_same_through_either_set_of_ops(
 
 def _ops_in_a_fresh_process(cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
     code = "import torch\nfrom mmserve.kernels import dispatch\nprint(dispatch.get_elementwise_ops(torch.device('cpu')).name)\n"
-    environ = {k: v for k, v in os.environ.items() if k not in ("CC", "MMSERVE_ELEMENTWISE_BACKEND")}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env={**environ, "MMSERVE_KERNEL_CACHE": str(cache), **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python_with_kernel_cache(code, cache, "MMSERVE_ELEMENTWISE_BACKEND", **env)
 
 
 def test_built_once_per_machine_and_without_a_compiler_the_twins(tmp_path: Path) -> None:

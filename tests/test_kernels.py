@@ -167,6 +167,14 @@ def test_c_kernel_work_split_matches_the_reference(num_decodes: int, num_threads
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def python_with_kernel_cache(code: str, cache: Path, backend_env: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh Python whose C kernels build into (or load from) `cache`, with $CC and `backend_env`
+    unset unless given in `env`: what a new process on this machine would pick."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("CC", backend_env)}
+    return subprocess.run([sys.executable, "-c", code], env={**environ, "MMSERVE_KERNEL_CACHE": str(cache), **env},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
 def _backend_in_a_fresh_process(cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
     code = (
         "import torch\n"
@@ -175,14 +183,7 @@ def _backend_in_a_fresh_process(cache: Path, **env: str) -> subprocess.Completed
         # Loading the library must leave the process's float state alone (no flush-to-zero of denormals).
         "print((torch.tensor([1e-39]) * 1.0).item() != 0.0)\n"
     )
-    environ = {k: v for k, v in os.environ.items() if k not in ("CC", "MMSERVE_ATTENTION_BACKEND")}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        env={**environ, "MMSERVE_KERNEL_CACHE": str(cache), **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return python_with_kernel_cache(code, cache, "MMSERVE_ATTENTION_BACKEND", **env)
 
 
 @pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
