@@ -164,7 +164,7 @@ class KVEventLog:
         """Until each replica sent more AllBlocksCleared than `cleared_before` (None: none). Every subscriber
         gets a new one's snapshot: so this log (None), or a router started since the counts, is subscribed."""
         before, deadline = cleared_before or dict.fromkeys(self.by_url, 0), time.monotonic() + timeout_s
-        while waiting := [url for url, n in before.items() if self.num_cleared()[url] <= n]:
+        while waiting := [url for url, now in self.num_cleared().items() if url in before and now <= before[url]]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no KV cache snapshot from {waiting}")
             time.sleep(0.05)
