@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from mmserve.errors import InvalidRequestError
 from mmserve.request import SLO, ServiceClass
@@ -169,20 +170,125 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """The `--kv-events-config` value: a JSON object of the fields above; unknown keys are refused."""
-        import json
+        return cls(**_json_object("kv_events_config", text, set(cls.__dataclass_fields__)))
 
-        try:
-            fields = json.loads(text)
-        except ValueError as exc:
-            raise InvalidRequestError(f"kv_events_config: not JSON ({exc})", param="kv_events_config") from None
-        if not isinstance(fields, dict):
-            raise InvalidRequestError("kv_events_config: must be a JSON object", param="kv_events_config")
-        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise InvalidRequestError(
-                f"kv_events_config: unknown field(s) {', '.join(unknown)}", param="kv_events_config"
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (vLLM's `--kv-transfer-config`, the same JSON keys): the connector (only
+    "NixlConnector"), this instance's role, its engine id, what a decode instance does when a read fails
+    (`kv_load_failure_policy`: fail the request, or prefill it here) and `kv_connector_extra_config`:
+
+    - `side_channel_host` / `side_channel_port`: where this instance's NIXL handshake side channel listens (and
+      what it tells decode instances); else $VLLM_NIXL_SIDE_CHANNEL_HOST / $VLLM_NIXL_SIDE_CHANNEL_PORT, else
+      localhost:5600 (vLLM's defaults);
+    - `kv_lease_duration`: seconds a prefill instance keeps a finished request's blocks for a decode instance
+      that never reads them (30);
+    - `kv_load_timeout`: seconds a decode instance waits for a handshake and read before the failure policy (30);
+    - `backends`: NIXL backends (["UCX"]).
+    """
+
+    kv_connector: str = "NixlConnector"
+    kv_role: str = "kv_both"
+    engine_id: str | None = None  # None: a fresh uuid per start
+    kv_buffer_device: str | None = None  # vLLM's; the KV pool is the buffer here, on the engine's device
+    kv_connector_extra_config: dict[str, object] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+
+    def __post_init__(self) -> None:
+        def bad(name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"kv_transfer_config.{name}: {message}", param="kv_transfer_config")
+
+        if self.kv_connector != "NixlConnector":
+            raise bad("kv_connector", f"only 'NixlConnector' is supported, got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise bad("kv_role", f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.engine_id is not None and not (isinstance(self.engine_id, str) and self.engine_id):
+            raise bad("engine_id", f"must be a non-empty string, got {self.engine_id!r}")
+        if self.kv_buffer_device not in (None, "cpu", "cuda"):
+            raise bad("kv_buffer_device", f"must be 'cpu' or 'cuda', got {self.kv_buffer_device!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise bad(
+                "kv_load_failure_policy",
+                f"must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, got {self.kv_load_failure_policy!r}",
             )
-        return cls(**fields)
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise bad("kv_connector_extra_config", "must be an object")
+        known = {"side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "backends"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise bad("kv_connector_extra_config", f"unknown field(s) {', '.join(unknown)}")
+        port = self.side_channel_port
+        if not isinstance(port, int) or isinstance(port, bool) or not (0 < port < 65536):
+            raise bad("kv_connector_extra_config.side_channel_port", f"must be a port number, got {port!r}")
+        for name in ("kv_lease_duration", "kv_load_timeout"):
+            value = extra.get(name, 30.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise bad(f"kv_connector_extra_config.{name}", f"must be a number of seconds > 0, got {value!r}")
+        backends = self.backends
+        if not (isinstance(backends, list) and backends and all(isinstance(b, str) for b in backends)):
+            raise bad("kv_connector_extra_config.backends", f"must be a list of NIXL backend names, got {backends!r}")
+
+    @property
+    def side_channel_host(self) -> str:
+        """Where decode instances reach this one's handshake side channel (what `remote_host` says)."""
+        host = self.kv_connector_extra_config.get("side_channel_host")
+        return str(host or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost")
+
+    @property
+    def side_channel_port(self) -> int:
+        port = self.kv_connector_extra_config.get("side_channel_port")
+        if port is None:
+            port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or 5600)
+        return port  # type: ignore[return-value]
+
+    @property
+    def kv_lease_duration(self) -> float:
+        return float(self.kv_connector_extra_config.get("kv_lease_duration", 30.0))  # type: ignore[arg-type]
+
+    @property
+    def kv_load_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("kv_load_timeout", 30.0))  # type: ignore[arg-type]
+
+    @property
+    def backends(self) -> list[str]:
+        return self.kv_connector_extra_config.get("backends", ["UCX"])  # type: ignore[return-value]
+
+    @property
+    def is_producer(self) -> bool:
+        """Serves `do_remote_decode` requests (a prefill instance)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Serves `do_remote_prefill` requests (a decode instance)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """The `--kv-transfer-config` value: a JSON object of the fields above; unknown keys are refused."""
+        return cls(**_json_object("kv_transfer_config", text, set(cls.__dataclass_fields__)))
+
+
+def _json_object(param: str, text: str, known: set[str]) -> dict[str, object]:
+    """A command-line JSON object whose keys must all be `known` (a config dataclass's fields)."""
+    import json
+
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param}: not JSON ({exc})", param=param) from None
+    if not isinstance(fields, dict):
+        raise InvalidRequestError(f"{param}: must be a JSON object", param=param)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise InvalidRequestError(f"{param}: unknown field(s) {', '.join(unknown)}", param=param)
+    return fields
 
 
 @dataclass(frozen=True)
@@ -244,6 +350,8 @@ class EngineArgs:
     mm_encoder_tp_mode: str = "data"
     # -- replicas ---------------------------------------------------------------------------------------------
     kv_events_config: KVEventsConfig | None = None  # publish what the prefix cache holds (for routers)
+    # Prefill/decode disaggregation over NIXL (vLLM's protocol); None: off.
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -299,6 +407,11 @@ class EngineArgs:
             raise InvalidRequestError(
                 "kv_events_config: KV events announce prefix-cache blocks; they need prefix caching on",
                 param="kv_events_config",
+            )
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            raise InvalidRequestError(
+                "kv_transfer_config: disaggregation runs on one rank per instance (tensor_parallel_size 1) for now",
+                param="kv_transfer_config",
             )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:

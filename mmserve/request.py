@@ -134,6 +134,78 @@ class StructuredOutputs:
         return "grammar", self.grammar or ""
 
 
+@dataclass(frozen=True)
+class KVTransferParams:
+    """vLLM's `kv_transfer_params` of one request (prefill/decode disaggregation over NIXL).
+
+    Asked of a prefill instance: `do_remote_decode` (keep the prompt's KV blocks for a decode instance to
+    read; the answer names them). Given to a decode instance: `do_remote_prefill` with the prefill's
+    answer: its engine id, the block ids holding the prompt's KV (block 0 first), the host and port of
+    its handshake side channel and the request id its blocks are held under.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: tuple[int, ...] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int = 1  # of the instance that holds the blocks
+
+    def __post_init__(self) -> None:
+        def bad(name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"kv_transfer_params.{name}: {message}", param=f"kv_transfer_params.{name}")
+
+        for name in ("do_remote_decode", "do_remote_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.remote_block_ids is not None:
+            if not isinstance(self.remote_block_ids, (list, tuple)):
+                raise bad("remote_block_ids", "must be a list of block ids")
+            object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
+        if not _is_int(self.tp_size) or self.tp_size < 1:
+            raise bad("tp_size", f"must be an integer >= 1, got {self.tp_size!r}")
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise bad("do_remote_prefill", "a request is either prefilled for a remote decode or decoded after a "
+                      "remote prefill, not both")  # fmt: skip
+        if not self.do_remote_prefill:
+            return
+        for name in ("remote_engine_id", "remote_host", "remote_request_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise bad(name, f"must be a non-empty string with do_remote_prefill, got {value!r}")
+        if not _is_int(self.remote_port) or not (0 < self.remote_port < 65536):
+            raise bad("remote_port", f"must be a port number with do_remote_prefill, got {self.remote_port!r}")
+        if not self.remote_block_ids or not all(_is_int(b) and b >= 0 for b in self.remote_block_ids):
+            raise bad("remote_block_ids", "must be a non-empty list of non-negative integers with do_remote_prefill")
+
+    @classmethod
+    def parse(cls, value: object) -> KVTransferParams | None:
+        """Accept None, a KVTransferParams, or vLLM's JSON object; unknown keys are refused by name. A
+        decode-side object whose remote fields are all null (what a router sends a prefill) is fine."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(
+                f"kv_transfer_params: must be an object or null, got {type(value).__name__}", param="kv_transfer_params"
+            )
+        unknown = sorted(map(str, set(value) - set(cls.__dataclass_fields__)))
+        if unknown:
+            raise InvalidRequestError(
+                f"kv_transfer_params: unknown field(s) {unknown}", param="kv_transfer_params"
+            )
+        fields = {k: v for k, v in value.items() if v is not None}
+        return cls(**fields)
+
+    def to_json(self) -> dict[str, object]:
+        """vLLM's JSON form, every field present."""
+        fields = dataclasses.asdict(self)
+        if self.remote_block_ids is not None:
+            fields["remote_block_ids"] = list(self.remote_block_ids)
+        return fields
+
+
 # The most sequences one request may ask for (`n`): each holds KV blocks of its own past the prompt.
 MAX_N = 64
 
@@ -180,6 +252,8 @@ class SamplingParams:
     # The Processor adds each of `bad_words` tokenized with and without a leading space (vLLM's rule).
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Prefill/decode disaggregation (vLLM's `kv_transfer_params`); None: an ordinary request.
+    kv_transfer: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from users; store tuples so the object stays hashable.
@@ -211,6 +285,7 @@ class SamplingParams:
             tuple(tuple(seq) if isinstance(seq, (list, tuple)) else seq for seq in sequences or ()),
         )
         object.__setattr__(self, "logit_bias", self._parse_logit_bias(self.logit_bias))
+        object.__setattr__(self, "kv_transfer", KVTransferParams.parse(self.kv_transfer))
         self._validate()
 
     def _validate(self) -> None:
@@ -305,11 +380,13 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    # Its blocks are allocated and a prefill instance's KV is being read into them (disaggregation).
+    WAITING_FOR_REMOTE_KV = 3
     # Every status from here on is final.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6  # the engine failed it (a fault in its step); the front end raises
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # the engine failed it (a fault in its step); the front end raises
 
     @property
     def finished(self) -> bool:

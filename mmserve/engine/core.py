@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -72,6 +73,10 @@ class EngineCore:
         self.scheduler_config: SchedulerConfig = args.scheduler_config(max_model_len)
         events = args.kv_events_config if args.kv_events_config is not None and args.kv_events_config.enabled else None
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching, events is not None)
+        # Disaggregation: the id decode instances know this one by (vLLM's engine_id; a fresh uuid by default).
+        self.kv_transfer_config = args.kv_transfer_config
+        if self.kv_transfer_config is not None and self.kv_transfer_config.engine_id is None:
+            self.kv_transfer_config = dataclasses.replace(self.kv_transfer_config, engine_id=str(uuid.uuid4()))
         # Bound before the model loads, so a busy port fails the start at once.
         self._kv_events = KVEventPublisher(events) if events is not None else None
         executor: Executor | None = None
@@ -79,7 +84,12 @@ class EngineCore:
             executor = self._start_executor(dtype_name, num_blocks)
             # time.monotonic: the clock of Request.arrival_time (stamped by the front end) and of the
             # output metrics, so the `slo` policy's deadlines and the measured TTFT are the same numbers.
-            self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic)
+            kv_transfer = None
+            if self.kv_transfer_config is not None:
+                kv_transfer = (self.kv_transfer_config, str(self.kv_transfer_config.engine_id))
+            self._scheduler = Scheduler(
+                self.scheduler_config, self.cache_config, clock=time.monotonic, kv_transfer=kv_transfer
+            )
         except BaseException:  # nothing started here outlives a failed start
             if self._kv_events is not None:
                 self._kv_events.close()
@@ -98,7 +108,13 @@ class EngineCore:
                 kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                 quant_compute=args.quant_compute,
             )  # fmt: skip
-            return InProcessExecutor(runner)
+            kv_worker = None
+            if self.kv_transfer_config is not None:
+                from mmserve.engine.nixl_connector import NixlKVWorker
+
+                config = self.kv_transfer_config
+                kv_worker = NixlKVWorker(runner.kv_caches, args.block_size, str(config.engine_id), config)
+            return InProcessExecutor(runner, kv_worker)
         from mmserve.engine.multirank_executor import MultiRankExecutor
 
         return MultiRankExecutor(
@@ -165,8 +181,13 @@ class EngineCore:
         self.publish_kv_events()  # an aborted grant's unwritten blocks left the cache: say so now, idle or not
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to serve, or finished ones the workers have not been told of (one more step)."""
-        return self._scheduler.has_unfinished_requests() or self._scheduler.has_unsent_diffs()
+        """Requests to serve, finished ones the workers have not been told of (one more step), or KV reads and
+        leases of disaggregation the workers must keep reporting on."""
+        return (
+            self._scheduler.has_unfinished_requests()
+            or self._scheduler.has_unsent_diffs()
+            or self._scheduler.has_pending_kv_transfers()
+        )
 
     def step(self) -> EngineCoreOutputs:
         outputs = self._step()
@@ -312,6 +333,8 @@ class EngineCore:
             "runner_encoder_entries_not_cached": not_cached,
             "runner_encoder_entries_referenced": referenced,
             "grammar_matchers": self._structured.num_live() if self._structured is not None else 0,
+            "kv_leases": stats.num_kv_leases,
+            "kv_reads": stats.num_loading_remote_kv,
         }
 
     def stats(self) -> SchedulerStats:

@@ -7,13 +7,17 @@ first rank there and the others in their own processes, behind the same methods.
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.sampler import GrammarBitmask
 from mmserve.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from mmserve.engine.nixl_connector import NixlKVWorker
 
 
 class Executor(Protocol):
@@ -54,11 +58,19 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, kv_worker: NixlKVWorker | None = None) -> None:
+        """`kv_worker`: disaggregation's worker half over the runner's KV pool (None: off)."""
         self._runner = runner
+        self._kv_worker = kv_worker
 
     def execute_model(self, plan: SchedulerOutput, grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
-        return self._runner.execute(plan, grammar)
+        if self._kv_worker is None:
+            return self._runner.execute(plan, grammar)
+        # Reads finish between steps: a block read now is computed on from the next plan on, and a
+        # request's blocks are read by a decode instance only after the step that wrote them returned.
+        output = self._runner.execute(plan, grammar)
+        done, failed, sent = self._kv_worker.step(plan.kv_loads)
+        return dataclasses.replace(output, kv_loads_done=done, kv_loads_failed=failed, kv_sends_done=sent)
 
     def reset_encoder_cache(self) -> None:
         self._runner.reset_encoder_cache()
@@ -82,4 +94,5 @@ class InProcessExecutor:
         return None  # the runner lives in this thread: nothing can die apart from it
 
     def close(self) -> None:
-        return None
+        if self._kv_worker is not None:
+            self._kv_worker.close()

@@ -125,12 +125,13 @@ class KVCacheManager:
 
     # -- changes ---------------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None, publish: bool = True
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens; None (and no change) if blocks run out.
 
         `computed_blocks` are prefix-cache hits for a request being admitted; they are taken
-        in front of any new block.
+        in front of any new block. `publish=False`: the new blocks' hashes are not published yet, because
+        their content arrives later (a remote prefill's read); `publish_computed` does it then.
         """
         computed_blocks = computed_blocks or []
         held = self._req_blocks.setdefault(request.request_id, [])
@@ -151,9 +152,15 @@ class KVCacheManager:
         held.extend(computed_blocks)
         held.extend(new_blocks)
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.num_blocks - len(self._free))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and publish:
             self._register_full_blocks(request, num_tokens_after)
         return new_blocks
+
+    def publish_computed(self, request: Request, num_tokens: int) -> None:
+        """The request's first `num_tokens` tokens are now in its blocks (a remote prefill's read ended):
+        publish the hashes of the full ones."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, num_tokens)
 
     def fork(self, parent: Request, child: Request) -> int:
         """Let a waiting `child` with the same prompt share the parent's full prompt blocks, whose KV is

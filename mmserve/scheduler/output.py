@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmserve.request import MultiModalInput, SamplingParams
+from mmserve.request import KVTransferParams, MultiModalInput, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,25 @@ class EncoderWork:
 
 
 @dataclass(frozen=True)
+class KVLoad:
+    """Read a prefill instance's KV blocks into this instance's (a decode instance's remote prefill).
+
+    `remote_block_ids[i]` of the engine `remote_engine_id` (its handshake side channel at `remote_host`:
+    `remote_port`) goes into `local_block_ids[i]`; the blocks a local prefix-cache hit holds are left out of
+    both. When the read ends, the prefill instance is told `remote_request_id`, so it frees its blocks.
+    """
+
+    request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_tp_size: int
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """The plan of one step. `scheduled` is in batch order; the runner keeps that order.
 
@@ -71,6 +90,10 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str] = frozenset()
     # Preempted since the last plan: the runner drops them; a readmission sends them as new again.
     preempted_request_ids: frozenset[str] = frozenset()
+    # Disaggregation: reads to start now, and whether any read or lease is still open (the workers then
+    # report which ended, also in a step that computes nothing).
+    kv_loads: tuple[KVLoad, ...] = ()
+    kv_transfers_pending: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +108,8 @@ class SchedulerOutput:
             or self.freed_encoder_keys
             or self.finished_request_ids
             or self.preempted_request_ids
+            or self.kv_loads
+            or self.kv_transfers_pending
         )
 
     @property
@@ -127,6 +152,11 @@ class ModelRunnerOutput:
     forward_s: float = 0.0  # decoder forward + logits
     sampling_s: float = 0.0
     comm_bytes: int = 0  # tensor parallelism: bytes this rank put into collectives in the step
+    # Disaggregation: reads (KVLoad.request_id) that ended since the last step, and the requests whose
+    # blocks a decode instance has read (this instance prefilled them; their blocks may go).
+    kv_loads_done: tuple[str, ...] = ()
+    kv_loads_failed: tuple[str, ...] = ()
+    kv_sends_done: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,6 +175,8 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None  # time.monotonic() when the request first got tokens
     error: str | None = None
     service_class: int | None = None  # the class the scheduler serves it in (after any downgrade)
+    # A prefill instance's answer to `do_remote_decode` (on the request's last output): where its KV waits.
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def finished(self) -> bool:

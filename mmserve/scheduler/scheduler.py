@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from mmserve.config import CacheConfig, SchedulerConfig
+from mmserve.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from mmserve.errors import InvalidRequestError, PromptTooLongError
-from mmserve.request import Request, RequestStatus, ServiceClass
+from mmserve.request import KVTransferParams, Request, RequestStatus, ServiceClass
 from mmserve.scheduler.encoder_cache import EncoderCacheManager, EncoderGrant, EncoderKey, new_encoder_tokens
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.kv_events import KVCacheEvent
+from mmserve.scheduler.kv_transfer import KVTransferScheduler
 from mmserve.scheduler.output import (
     EncoderWork,
     EngineCoreOutput,
@@ -61,6 +62,13 @@ class SchedulerStats:
     num_throttled_batch_decodes: int = 0  # `slo`: steps a running batch decode was skipped
     num_downgraded_requests: int = 0  # `slo` admission control: interactive requests run as batch
     num_rejected_requests: int = 0  # `slo` admission control: interactive requests refused (429)
+    # Disaggregation: requests whose prompt KV is being read from a prefill instance (counted in num_waiting
+    # too), finished requests whose blocks wait for a decode instance, and the reads so far.
+    num_loading_remote_kv: int = 0
+    num_kv_leases: int = 0
+    num_kv_loads_done: int = 0
+    num_kv_loads_failed: int = 0
+    num_kv_leases_expired: int = 0
     step_time: StepTimeStats | None = None  # the step-time model against the measured steps
 
     @property
@@ -99,7 +107,9 @@ class Scheduler:
         cache_config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
         step_time_model: StepTimeModel | None = None,
+        kv_transfer: tuple[KVTransferConfig, str] | None = None,
     ) -> None:
+        """`kv_transfer`: disaggregation's configuration and this instance's engine id; None: off."""
         self.config = scheduler_config
         self.policy = get_policy(scheduler_config.policy)
         self.clock = clock  # seconds; the same clock as Request.arrival_time
@@ -114,6 +124,9 @@ class Scheduler:
             cache_config.enable_kv_events,
         )
         self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self.kv_transfer: KVTransferScheduler | None = None
+        if kv_transfer is not None:
+            self.kv_transfer = KVTransferScheduler(*kv_transfer, cache_config.block_size, clock)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by policy.sort_key
         self.running: list[Request] = []  # in admission order
@@ -151,6 +164,7 @@ class Scheduler:
                 f"and policy {self.policy.name!r} does not chunk prefills",
                 param="prompt",
             )
+        self._check_kv_transfer(request)
         if self.slo is not None:
             self.slo.admit(request, self.clock())  # may downgrade it to batch, or raise SloInfeasibleError
         request.arrival_seq = next(self._arrival_seq)
@@ -160,6 +174,33 @@ class Scheduler:
         if parent is not None and not parent.num_output_tokens:
             self._forks.setdefault(parent.request_id, []).append(request)
         self._enqueue_waiting(request)
+
+    def _check_kv_transfer(self, request: Request) -> None:
+        params = request.sampling_params.kv_transfer
+        if params is None or not (params.do_remote_decode or params.do_remote_prefill):
+            return
+        if self.kv_transfer is None:
+            raise InvalidRequestError(
+                "kv_transfer_params: this server does not disaggregate (start it with --kv-transfer-config)",
+                param="kv_transfer_params",
+            )
+        role = self.kv_transfer.config.kv_role
+        if params.do_remote_decode and not self.kv_transfer.config.is_producer:
+            raise InvalidRequestError(
+                f"kv_transfer_params.do_remote_decode: this instance's kv_role is {role!r}", param="kv_transfer_params"
+            )
+        if params.do_remote_prefill and not self.kv_transfer.config.is_consumer:
+            raise InvalidRequestError(
+                f"kv_transfer_params.do_remote_prefill: this instance's kv_role is {role!r}", param="kv_transfer_params"
+            )
+        if request.sampling_params.n > 1:
+            raise InvalidRequestError("kv_transfer_params: a disaggregated request samples n=1", param="n")
+        if params.do_remote_prefill:
+            mismatch = self.kv_transfer.remote_blocks_mismatch(request)
+            if mismatch is not None:  # a prefill instance with another tokenizer, template or block size
+                raise InvalidRequestError(
+                    f"kv_transfer_params.remote_block_ids: {mismatch}", param="kv_transfer_params.remote_block_ids"
+                )
 
     def hold(self, request_id: str) -> None:
         """Keep a waiting request out of the plans until `release` (e.g. while its grammar compiles)."""
@@ -242,6 +283,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Reads or leases the workers must keep reporting on (disaggregation), also while nothing runs."""
+        return self.kv_transfer is not None and self.kv_transfer.has_pending()
+
     def has_unsent_diffs(self) -> bool:
         """Requests finished or preempted since the last plan: the next plan tells the runner."""
         return bool(self._finished_ids or self._preempted_ids)
@@ -260,12 +305,13 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         slo = self.slo.counters if self.slo is not None else None
+        kv = self.kv_transfer
         return SchedulerStats(
             num_total_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
             peak_num_used_blocks=self.kv.peak_num_used_blocks,
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + (len(kv.loading) if kv is not None else 0),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
@@ -279,11 +325,20 @@ class Scheduler:
             num_downgraded_requests=slo.downgraded if slo is not None else 0,
             num_rejected_requests=slo.rejected if slo is not None else 0,
             step_time=self.step_time.stats(),
+            num_loading_remote_kv=len(kv.loading) if kv is not None else 0,
+            num_kv_leases=kv.num_leases if kv is not None else 0,
+            num_kv_loads_done=kv.num_loads_done if kv is not None else 0,
+            num_kv_loads_failed=kv.num_loads_failed if kv is not None else 0,
+            num_kv_leases_expired=kv.num_leases_expired if kv is not None else 0,
         )
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_tokens)
+        if self.kv_transfer is not None:
+            for request in self.kv_transfer.expired():  # no decode instance read them in time
+                self.kv.free(request)
+            self._start_remote_loads()  # they take blocks, no budget: before any policy plans the step
         if self.slo is not None:
             self.slo.fill(step, self.clock())
         else:
@@ -356,6 +411,8 @@ class Scheduler:
             freed_encoder_keys=tuple(self.encoder_cache.take_evicted()),  # dropped before encoding
             finished_request_ids=frozenset(self._finished_ids),
             preempted_request_ids=frozenset(self._preempted_ids),
+            kv_loads=self.kv_transfer.take_new_loads() if self.kv_transfer is not None else (),
+            kv_transfers_pending=self.has_pending_kv_transfers(),
         )
         self._finished_ids.clear()
         self._preempted_ids.clear()
@@ -363,7 +420,7 @@ class Scheduler:
 
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens and finish requests that stop. One output per sampled request."""
-        outputs = []
+        outputs = self._apply_kv_transfers(runner_output) if self.kv_transfer is not None else []
         for failed in runner_output.failed:  # left out of the step by the runner: they fail alone
             request = self.requests.get(failed.request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -384,8 +441,9 @@ class Scheduler:
             for child in self._forks.pop(request_id, ()):  # its prompt KV is written: share it
                 self.kv.fork(request, child)
             status = self._check_stop(request, token_id)
+            kv_transfer_params = None
             if status is not None:
-                self._finish(request, status)
+                kv_transfer_params = self._finish(request, status)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -395,8 +453,50 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens or 0,
                     first_scheduled_time=request.first_scheduled_time,
                     service_class=int(request.service_class),
+                    kv_transfer_params=kv_transfer_params,
                 )
             )
+        return outputs
+
+    def _apply_kv_transfers(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """What the workers report of disaggregation: decode instances that read a finished request's blocks
+        (they may go now), and reads into this instance that ended, well or not."""
+        kv = self.kv_transfer
+        assert kv is not None
+        for request_id in runner_output.kv_sends_done:
+            request = kv.release(request_id)
+            if request is not None:
+                self.kv.free(request)
+        failed_ids = set(runner_output.kv_loads_failed)
+        outputs: list[EngineCoreOutput] = []
+        for request_id in (*runner_output.kv_loads_done, *runner_output.kv_loads_failed):
+            request, orphaned = kv.end_load(request_id)
+            if request is None:
+                continue
+            if orphaned:  # it finished meanwhile: its blocks were kept only for the read
+                self.kv.free(request)
+                continue
+            if request_id not in failed_ids:
+                kv.num_loads_done += 1
+                # Every prompt token but the last is in the KV cache; computing that one gives the logits.
+                request.num_computed_tokens = request.num_prompt_tokens - 1
+                self.kv.publish_computed(request, request.num_computed_tokens)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                continue
+            kv.num_loads_failed += 1
+            if kv.config.kv_load_failure_policy == "fail":
+                request.status = RequestStatus.WAITING  # so that failing it takes it from the waiting queue
+                self._enqueue_waiting(request)
+                outputs += self.fail_requests(
+                    [request_id], "reading the prompt's KV cache from the prefill instance failed"
+                )
+            else:  # recompute: prefill it here, from whatever the local prefix cache holds
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                kv.prefill_here(request)
+                self._enqueue_waiting(request)
         return outputs
 
     # -- internals -----------------------------------------------------------------------------------
@@ -452,6 +552,35 @@ class Scheduler:
                 break
             self.start_running(request, num_cached)
             self.grant(step, request, num_new_tokens, encoder_plan)
+
+    def _start_remote_loads(self) -> None:
+        """Admit the waiting requests prefilled remotely, in policy order while blocks and max_num_seqs last:
+        blocks for the whole prompt (local prefix hits first); the rest is read from the prefill instance."""
+        assert self.kv_transfer is not None
+        for request in self.admissible_waiting():
+            if not self.kv_transfer.wants_load(request):
+                continue
+            if len(self.running) + len(self.kv_transfer.loading) >= self.config.max_num_seqs:
+                return
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            if not self._start_remote_load(request, computed_blocks, num_cached):
+                return
+
+    def _start_remote_load(self, request: Request, computed_blocks: list[int], num_cached: int) -> bool:
+        """Hashes of the blocks read are published once the read ends. False if the blocks run out."""
+        assert self.kv_transfer is not None
+        num_new_tokens = request.num_prompt_tokens - num_cached
+        if self.kv.allocate_slots(request, num_new_tokens, computed_blocks, publish=False) is None:
+            return False
+        self.waiting.remove(request)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = num_cached  # what its blocks hold until the read ends
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+            request.first_scheduled_time = self.clock()
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        self.kv_transfer.start_load(request, self.kv.block_ids(request.request_id), len(computed_blocks))
+        return True
 
     def start_running(self, request: Request, num_cached: int) -> None:
         """Move an admitted request (its blocks just allocated) from waiting to running."""
@@ -644,12 +773,23 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus) -> KVTransferParams | None:
+        """End the request and free what it holds. A prefill instance's `do_remote_decode` request keeps its
+        blocks for a decode instance instead: returns what to tell it (else None)."""
+        kv_transfer = self.kv_transfer
+        handed_over = None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             self.waiting.remove(request)
-        self.kv.free(request)
+        if kv_transfer is not None and kv_transfer.orphan(request):
+            pass  # a read may still write into its blocks: freed when it ends
+        elif kv_transfer is not None and kv_transfer.should_hold(request, status):
+            handed_over = kv_transfer.hold(request, self.kv.block_ids(request.request_id))
+        else:
+            self.kv.free(request)
+        if kv_transfer is not None:
+            kv_transfer.forget(request.request_id)
         self.encoder_cache.release_all(request.request_id)
         self._sent.pop(request.request_id, None)
         self._held.discard(request.request_id)
@@ -660,3 +800,4 @@ class Scheduler:
         request.status = status
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        return handed_over

@@ -1,0 +1,335 @@
+"""The worker half of prefill/decode disaggregation: the KV pool registered with NIXL, vLLM's handshake side
+channel, and the reads a decode instance makes of a prefill instance's blocks.
+
+Speaks vLLM's NixlConnector protocol: a ZeroMQ ROUTER side channel answers msgpack `[b"get_meta_msg", rank]`
+with `NixlHandshakePayload{compatibility_hash, agent_metadata_bytes}` (msgpack of `NixlAgentMetadata`);
+descriptors are per region (`[layer 0 K, layer 0 V, layer 1 K, ...]`) and block, numbered
+`region * num_blocks + block_id`; a read's notification is `b"<remote_request_id>:<tp_size>"`, and the
+prefill instance frees that request's blocks when it arrives. Knows block ids, never requests' tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from mmserve.config import KVTransferConfig
+from mmserve.scheduler.output import KVLoad
+
+logger = logging.getLogger(__name__)
+
+GET_META_MSG = b"get_meta_msg"
+NIXL_CONNECTOR_VERSION = 2  # vLLM's: kv_transfer_params carry remote_request_id
+KV_CACHE_LAYOUT = "NHD"  # a block is [block_size, num_kv_heads, head_dim]
+_HANDSHAKE_TIMEOUT_S = 5.0  # vLLM's side-channel receive timeout
+
+
+class NixlAgentMetadata(msgspec.Struct):
+    """vLLM's handshake metadata (a msgpack map with these field names)."""
+
+    engine_id: str
+    agent_metadata: bytes  # nixl_agent.get_agent_metadata()
+    kv_caches_base_addr: list[int]  # one per region: [layer 0 K, layer 0 V, layer 1 K, ...]
+    device_id: int
+    num_blocks: int
+    block_lens: list[int]  # bytes of one block, per region
+    kv_cache_layout: str
+    block_size: int
+
+
+class NixlHandshakePayload(msgspec.Struct):
+    compatibility_hash: str  # sha256 hex of what must agree for blocks to mean the same on both sides
+    agent_metadata_bytes: bytes  # msgpack(NixlAgentMetadata)
+
+
+def compatibility_hash(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: torch.dtype) -> str:
+    """What two instances must share for a block read from one to mean the same in the other (the model's
+    KV shape and element type; the block size and layout are compared field by field)."""
+    factors = ("mmserve", NIXL_CONNECTOR_VERSION, num_layers, num_kv_heads, head_dim, str(kv_cache_dtype))
+    return hashlib.sha256(repr(factors).encode()).hexdigest()
+
+
+class SideChannel:
+    """A thread answering vLLM's handshake on a ZeroMQ ROUTER socket with this instance's payload."""
+
+    def __init__(self, host: str, port: int, payload: bytes) -> None:
+        self._payload = payload
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(f"tcp://{socket.gethostbyname(host)}:{port}")
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            raise OSError(f"the NIXL side channel cannot listen on {host}:{port} ({exc})") from None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="nixl-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._socket.recv_multipart()
+            try:
+                message, _rank = msgspec.msgpack.decode(frames[-1])
+            except (msgspec.DecodeError, TypeError, ValueError):
+                logger.warning("NIXL side channel: dropping an undecodable handshake")
+                continue
+            if message != GET_META_MSG:
+                logger.warning("NIXL side channel: unexpected handshake message %r", message)
+                continue
+            self._socket.send_multipart([frames[0], b"", self._payload])
+        self._socket.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+
+
+def fetch_handshake(host: str, port: int, timeout_s: float) -> bytes:
+    """Ask a prefill instance's side channel for its payload (a ZeroMQ REQ, as vLLM's decode side)."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0)))
+        return sock.recv()
+    finally:
+        sock.close()
+
+
+@dataclass
+class _Remote:
+    agent_name: str
+    dlist: object  # the remote descriptors, prepared
+    num_blocks: int
+
+
+@dataclass
+class _Read:
+    load: KVLoad
+    deadline: float  # time.monotonic()
+    handle: object = None  # the NIXL transfer, once posted
+
+
+class NixlKVWorker:
+    """This instance's KV pool in NIXL: the side channel that describes it, the reads into it, and the
+    notifications of reads out of it. `step` is called once per engine step, on the engine's thread."""
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], block_size: int, engine_id: str, config: KVTransferConfig
+    ) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config  # only an instance that disaggregates needs it
+
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.timeout_s = config.kv_load_timeout
+        first = kv_caches[0]  # [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
+        self.num_blocks = first.shape[1]
+        self.block_len = first[0, 0].numel() * first.element_size()
+        self.mem_type = "VRAM" if first.is_cuda else "DRAM"
+        self.device_id = max(first.get_device(), 0)
+        regions = [cache[kv] for cache in kv_caches for kv in (0, 1)]  # each [num_blocks, block_size, heads, dim]
+        assert all(r.is_contiguous() for r in regions)
+        self.base_addrs = [r.data_ptr() for r in regions]
+        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=config.backends))
+        self._registered = self.agent.register_memory(
+            [(r.data_ptr(), r.numel() * r.element_size(), self.device_id, "") for r in regions], self.mem_type
+        )
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._descriptors(self.base_addrs, self.num_blocks,
+                                                 self.block_len), self.mem_type)  # fmt: skip
+        self.compat = compatibility_hash(len(kv_caches), first.shape[3], first.shape[4], first.dtype)
+        metadata = NixlAgentMetadata(
+            engine_id=engine_id,
+            agent_metadata=self.agent.get_agent_metadata(),
+            kv_caches_base_addr=self.base_addrs,
+            device_id=self.device_id,
+            num_blocks=self.num_blocks,
+            block_lens=[self.block_len] * len(regions),
+            kv_cache_layout=KV_CACHE_LAYOUT,
+            block_size=block_size,
+        )
+        payload = NixlHandshakePayload(self.compat, msgspec.msgpack.encode(metadata))
+        self._side_channel = SideChannel(config.side_channel_host, config.side_channel_port,
+                                         msgspec.msgpack.encode(payload))  # fmt: skip
+        self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="nixl-handshake")
+        self._remotes: dict[str, _Remote] = {}  # engine id -> its agent, once the handshake is done
+        self._handshakes: dict[str, Future[bytes]] = {}
+        self._reads: dict[str, _Read] = {}  # request id -> its read (waiting for a handshake, or posted)
+
+    def _descriptors(self, base_addrs: list[int], num_blocks: int, block_len: int) -> np.ndarray:
+        """[regions x num_blocks, 3] (address, length, device): descriptor `region * num_blocks + block`."""
+        offsets = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
+        addrs = (np.array(base_addrs, dtype=np.uint64)[:, None] + offsets[None, :]).reshape(-1)
+        return np.stack([addrs, np.full_like(addrs, block_len), np.full_like(addrs, self.device_id)], axis=1)
+
+    # -- one engine step -------------------------------------------------------------------------------
+    def step(self, loads: tuple[KVLoad, ...]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """Start `loads`, advance the reads in flight: (reads done, reads failed, requests whose blocks a
+        decode instance has read)."""
+        now = time.monotonic()
+        for load in loads:
+            self._reads[load.request_id] = _Read(load, now + self.timeout_s)
+            if load.remote_engine_id not in self._remotes and load.remote_engine_id not in self._handshakes:
+                self._handshakes[load.remote_engine_id] = self._handshaker.submit(
+                    fetch_handshake, load.remote_host, load.remote_port, min(_HANDSHAKE_TIMEOUT_S, self.timeout_s)
+                )
+        done: list[str] = []
+        failed: list[str] = []
+        broken = self._finish_handshakes()
+        for request_id, read in list(self._reads.items()):
+            ok = self._advance(read, broken, now)
+            if ok is not None:
+                del self._reads[request_id]
+                (done if ok else failed).append(request_id)
+                if not ok:
+                    self._forget_remote(read.load.remote_engine_id)  # it may have restarted: handshake again
+        return tuple(done), tuple(failed), self._reads_of_ours()
+
+    def _advance(self, read: _Read, broken: dict[str, str], now: float) -> bool | None:
+        """One read's progress: True done, False failed, None still going."""
+        load = read.load
+        if read.handle is None:
+            if load.remote_engine_id in broken:
+                logger.error("KV read for %s: handshake with %s:%d failed: %s", load.request_id, load.remote_host,
+                             load.remote_port, broken[load.remote_engine_id])  # fmt: skip
+                return False
+            remote = self._remotes.get(load.remote_engine_id)
+            if remote is None:
+                return None if now < read.deadline else self._timed_out(read)
+            return self._post(read, remote)
+        try:
+            state = self.agent.check_xfer_state(read.handle)
+        except Exception as exc:  # nixl raises on a transfer whose peer is gone
+            logger.error("KV read for %s failed: %s", load.request_id, exc)
+            state = "ERR"
+        if state == "PROC" and now < read.deadline:
+            return None
+        if state == "PROC":
+            return self._timed_out(read)
+        self._release(read)
+        if state != "DONE":
+            logger.error("KV read for %s from engine %s failed (%s)", load.request_id, load.remote_engine_id, state)
+        return state == "DONE"
+
+    def _post(self, read: _Read, remote: _Remote) -> bool | None:
+        load = read.load
+        if load.remote_tp_size != 1 or any(b >= remote.num_blocks for b in load.remote_block_ids) or any(
+            b >= self.num_blocks for b in load.local_block_ids
+        ):
+            logger.error("KV read for %s: block ids or tp_size %d do not fit", load.request_id, load.remote_tp_size)
+            return False
+        notif = f"{load.remote_request_id}:1".encode()
+        if not load.local_block_ids:  # nothing to read: only let the prefill instance free its blocks
+            self.agent.send_notif(remote.agent_name, notif_msg=notif)
+            return True
+        num_regions = len(self.base_addrs)
+        local = [r * self.num_blocks + b for r in range(num_regions) for b in load.local_block_ids]
+        far = [r * remote.num_blocks + b for r in range(num_regions) for b in load.remote_block_ids]
+        try:
+            read.handle = self.agent.make_prepped_xfer("READ", self._local, local, remote.dlist, far, notif_msg=notif)
+            state = self.agent.transfer(read.handle)
+        except Exception as exc:
+            logger.error("KV read for %s could not start: %s", load.request_id, exc)
+            self._release(read)
+            return False
+        if state == "ERR":
+            self._release(read)
+            return False
+        return None
+
+    def _timed_out(self, read: _Read) -> bool:
+        logger.error("KV read for %s from %s:%d timed out after %.1f s", read.load.request_id, read.load.remote_host,
+                     read.load.remote_port, self.timeout_s)  # fmt: skip
+        self._release(read)
+        return False
+
+    def _release(self, read: _Read) -> None:
+        if read.handle is not None:
+            try:
+                self.agent.release_xfer_handle(read.handle)
+            except Exception as exc:  # a transfer still in progress may refuse; nixl frees it with the agent
+                logger.warning("releasing a KV read's handle: %s", exc)
+            read.handle = None
+
+    def _finish_handshakes(self) -> dict[str, str]:
+        """Add the remote agents whose handshake answered; the engine ids whose handshake failed, and why."""
+        broken: dict[str, str] = {}
+        for engine_id, future in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[engine_id]
+            try:
+                self._remotes[engine_id] = self._add_remote(engine_id, future.result())
+            except Exception as exc:  # unreachable, timed out, or refused (a layout that differs)
+                broken[engine_id] = str(exc) or type(exc).__name__
+        return broken
+
+    def _add_remote(self, engine_id: str, answer: bytes) -> _Remote:
+        payload = msgspec.msgpack.decode(answer, type=NixlHandshakePayload)
+        if payload.compatibility_hash != self.compat:
+            raise ValueError("the prefill instance's model or KV cache dtype differs (compatibility hash)")
+        meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+        if meta.engine_id != engine_id:
+            raise ValueError(f"the side channel answered for engine {meta.engine_id!r}, not {engine_id!r}")
+        if meta.block_size != self.block_size or meta.kv_cache_layout != KV_CACHE_LAYOUT:
+            raise ValueError(
+                f"block size {meta.block_size} / layout {meta.kv_cache_layout} there, {self.block_size} / "
+                f"{KV_CACHE_LAYOUT} here"
+            )
+        if len(meta.kv_caches_base_addr) != len(self.base_addrs) or set(meta.block_lens) != {self.block_len}:
+            raise ValueError("the KV pools' regions or block lengths differ")
+        name = self.agent.add_remote_agent(meta.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        dlist = self.agent.prep_xfer_dlist(name, self._descriptors(meta.kv_caches_base_addr, meta.num_blocks,
+                                           self.block_len), self.mem_type)  # fmt: skip
+        return _Remote(name, dlist, meta.num_blocks)
+
+    def _forget_remote(self, engine_id: str) -> None:
+        remote = self._remotes.pop(engine_id, None)
+        if remote is None or any(r.load.remote_engine_id == engine_id for r in self._reads.values()):
+            if remote is not None:
+                self._remotes[engine_id] = remote  # other reads still use it
+            return
+        try:
+            self.agent.release_dlist_handle(remote.dlist)
+            self.agent.remove_remote_agent(remote.agent_name)
+        except Exception as exc:
+            logger.warning("forgetting remote engine %s: %s", engine_id, exc)
+
+    def _reads_of_ours(self) -> tuple[str, ...]:
+        """Request ids whose blocks decode instances have read (`<request id>:<tp size>` notifications)."""
+        done = []
+        for messages in self.agent.get_new_notifs().values():
+            for message in messages:
+                request_id, _, _ = message.decode(errors="replace").rpartition(":")
+                done.append(request_id)
+        return tuple(done)
+
+    def num_reads(self) -> int:
+        return len(self._reads)
+
+    def close(self) -> None:
+        self._side_channel.close()
+        self._handshaker.shutdown(wait=False, cancel_futures=True)
+        for read in self._reads.values():
+            self._release(read)
+        self._reads.clear()
+        try:
+            self.agent.deregister_memory(self._registered)
+        except Exception as exc:
+            logger.warning("deregistering the KV pool from NIXL: %s", exc)
