@@ -296,6 +296,14 @@ def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
         'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
     )
     g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='prefill/decode disaggregation over NIXL in vLLM\'s protocol (its --kv-transfer-config), e.g. '
+        '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"side_channel_port": '
+        '5600}}\'; requests then take vLLM\'s kv_transfer_params (vllm-router --vllm-pd-disaggregation drives them)',
+    )
+    g.add_argument(
         "--vllm-metric-names",
         action="store_true",
         help="also export the scheduler gauges under vLLM's names (vllm:num_requests_waiting, "
@@ -366,7 +374,7 @@ def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import ServeOptions, run_server
     from mmserve.api.settings import ServerSettings
-    from mmserve.config import EngineArgs, KVEventsConfig
+    from mmserve.config import EngineArgs, KVEventsConfig, KVTransferConfig
     from mmserve.encoders.media import MediaLimits
     from mmserve.errors import MMServeError
 
@@ -396,6 +404,7 @@ def _serve(args: argparse.Namespace) -> int:
             encoder_token_cost=args.encoder_token_cost,
             block_size=args.block_size,
             kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
+            kv_transfer_config=KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config else None,
             **_slo_engine_kwargs(args),
             **parallel_engine_kwargs(args),
         )

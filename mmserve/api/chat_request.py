@@ -118,4 +118,5 @@ async def prepare_chat(state: ServerState, body: ChatFields) -> PreparedChat:
     params = convert.sampling_params(
         body, engine.max_model_len, state.generation_defaults, structured=constraint
     )
+    convert.check_kv_transfer(params, bool(getattr(body, "stream", False)))
     return PreparedChat(messages, params, template, counts, tools if use_tools else None, parser)

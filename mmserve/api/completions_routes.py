@@ -56,6 +56,7 @@ async def completions(
             body, engine.max_model_len, state.generation_defaults,
             default_max_tokens=convert.COMPLETIONS_DEFAULT_MAX_TOKENS,
         )  # fmt: skip
+        convert.check_kv_transfer(params, body.stream, len(prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [
             engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{k}", arrival_time=arrival_time)
@@ -91,8 +92,9 @@ async def completions(
         choices.append(CompletionChoice(index=index, text=echo + out.text, logprobs=logprobs,
                                         finish_reason=out.finish_reason))  # fmt: skip
     return Completion(
-        id=request_id, model=state.model_name, choices=choices, usage=convert.usage(*finals.values())
-    )
+        id=request_id, model=state.model_name, choices=choices, usage=convert.usage(*finals.values()),
+        kv_transfer_params=convert.kv_transfer_params(finals[min(finals)]),
+    )  # fmt: skip
 
 
 def _prompt_text(state: ServerState, first: RequestOutput) -> str:

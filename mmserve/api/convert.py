@@ -106,7 +106,28 @@ def sampling_params(
         logit_bias=dict(fields.logit_bias or {}),  # type: ignore[arg-type]  # parsed (str keys) by SamplingParams
         min_tokens=fields.min_tokens,
         bad_words=tuple(fields.bad_words or ()),
+        kv_transfer=getattr(fields, "kv_transfer_params", None),
     )
+
+
+def check_kv_transfer(params: SamplingParams, stream: bool, num_prompts: int = 1) -> None:
+    """A prefill instance answers `do_remote_decode` in the body of one non-streamed response."""
+    kv = params.kv_transfer
+    if kv is None or not kv.do_remote_decode:
+        return
+    if stream:
+        raise InvalidRequestError(
+            "kv_transfer_params.do_remote_decode: the answer comes in the response body; stream must be false",
+            param="kv_transfer_params",
+        )
+    if num_prompts != 1:
+        raise InvalidRequestError(
+            "kv_transfer_params.do_remote_decode: one prompt per request", param="kv_transfer_params"
+        )
+
+
+def kv_transfer_params(out: RequestOutput) -> dict[str, Any] | None:
+    return out.kv_transfer_params.to_json() if out.kv_transfer_params is not None else None
 
 
 def structured_outputs(fields: SamplingFields) -> StructuredOutputs | None:

@@ -69,6 +69,18 @@ class _StatsCollector(Collector):
                       "(slo policy).", s.num_downgraded_requests)  # fmt: skip
         yield counter("rejected_requests", "Interactive requests admission control refused with 429 "
                       "(slo policy, --slo-admission reject).", s.num_rejected_requests)  # fmt: skip
+        # Prefill/decode disaggregation (--kv-transfer-config): reads into this instance, leases out of it.
+        yield gauge("kv_transfer_loading_requests", "Requests whose prompt KV is being read from a prefill "
+                    "instance (also counted as waiting).", s.num_loading_remote_kv)  # fmt: skip
+        loads = CounterMetricFamily(P + "kv_transfer_loads", "Reads of a prefill instance's KV blocks that "
+                                    "ended, by outcome.", labels=[*labels, "outcome"])  # fmt: skip
+        loads.add_metric([self.model, "done"], s.num_kv_loads_done)
+        loads.add_metric([self.model, "failed"], s.num_kv_loads_failed)
+        yield loads
+        yield gauge("kv_transfer_leases", "Finished requests whose KV blocks wait for a decode instance "
+                    "to read them.", s.num_kv_leases)  # fmt: skip
+        yield counter("kv_transfer_leases_expired", "Leases that ended before any decode instance read "
+                      "their blocks (the blocks were freed).", s.num_kv_leases_expired)  # fmt: skip
         st = s.step_time
         if st is not None:  # the online step-time model that sizes every step (scheduler/step_time.py)
             yield counter("step_time_observed_seconds", "Measured wall time of the steps the step-time "

@@ -101,6 +101,7 @@ async def chat_completions(
         choices=choices,
         usage=convert.usage(*finals.values()),
         service_tier=convert.service_tier(body.service_tier, finals[min(finals)]),
+        kv_transfer_params=convert.kv_transfer_params(finals[min(finals)]),
     )
 
 

@@ -241,6 +241,8 @@ class ChatCompletionRequest(ChatFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's prefill/decode disaggregation (checked by KVTransferParams: a 400 naming the field).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -254,6 +256,7 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     suffix: str | None = None  # refused
     best_of: int | None = None  # only 1 (or n)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's prefill/decode disaggregation
 
 
 def unsupported_fields(body: BaseModel) -> list[str]:
@@ -331,6 +334,7 @@ class ChatCompletion(BaseModel):
     choices: list[Choice]
     usage: Usage
     service_tier: ServiceTier | None = None  # the tier the request was served in ("flex": batch class)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer to do_remote_decode
 
 
 class FunctionCallDelta(BaseModel):
@@ -397,6 +401,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's answer to do_remote_decode
 
 
 # ------------------------------------------------------------------------------- tokenize, detokenize

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -423,20 +424,11 @@ def _deliver(batch: _Batch) -> None:
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the consumer may keep while the output thread goes on updating the original."""
-    return RequestOutput(
-        request_id=out.request_id,
-        prompt=out.prompt,
-        prompt_token_ids=out.prompt_token_ids,
+    """A copy the consumer may keep while the output thread goes on updating the original (every field; the
+    lists it extends are copied)."""
+    return dataclasses.replace(
+        out,
         token_ids=list(out.token_ids),
-        text=out.text,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
         logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        metrics=out.metrics,
-        new_text=out.new_text,
         new_token_ids=list(out.new_token_ids),
-        service_class=out.service_class,
-        slo=out.slo,
-        index=out.index,
     )

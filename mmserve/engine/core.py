@@ -158,6 +158,16 @@ class EngineCore:
             kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype),
             tensor_parallel_size=self.tensor_parallel_size,
             weight_bytes=self.executor.weight_bytes(),
+            disaggregation=self._disaggregation(),
+        )
+
+    def _disaggregation(self) -> str | None:
+        config = self.kv_transfer_config
+        if config is None:
+            return None
+        return (
+            f"{config.kv_role} as engine {config.engine_id}, NIXL side channel on "
+            f"{config.side_channel_host}:{config.side_channel_port}"
         )
 
     def add_request(self, request: Request) -> None:

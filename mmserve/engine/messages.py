@@ -75,6 +75,8 @@ class EngineInfo:
     tensor_parallel_size: int = 1
     weight_bytes: int = 0  # on each rank
     kv_cache_dtype: str = "float32"  # fp8_e4m3, fp8_e5m2, or the compute dtype's name
+    # Disaggregation: "<kv_role> as engine <engine_id>, NIXL side channel on <host>:<port>"; None: off.
+    disaggregation: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -105,4 +107,5 @@ class EngineInfo:
             f"({self.kv_cache_dtype}), {self.kv_cache_bytes / 2**20:.1f} MiB{self._per_rank}; weights {self.weight_bytes / 2**20:.1f} MiB"
             f"{self._per_rank}; max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f}x concurrency at full length"
+            + (f"; disaggregation: {self.disaggregation}" if self.disaggregation else "")
         )

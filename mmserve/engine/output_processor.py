@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.request import SLO, Request, ServiceClass
+from mmserve.request import SLO, KVTransferParams, Request, ServiceClass
 from mmserve.scheduler.output import EngineCoreOutput
 
 
@@ -51,6 +51,7 @@ class RequestOutput:
     service_class: ServiceClass = ServiceClass.INTERACTIVE
     slo: SLO = field(default_factory=SLO)
     index: int = 0  # which of the request's `n` sequences this is (its choice index)
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's answer to do_remote_decode
 
     @property
     def finished(self) -> bool:
@@ -143,6 +144,7 @@ class OutputProcessor:
             out.text = state.detokenizer.output_text
             if finish_reason is not None:
                 out.finish_reason = finish_reason
+                out.kv_transfer_params = core_out.kv_transfer_params
                 metrics.finish_time = now
                 del self._states[core_out.request_id]
             updated.append(out)

@@ -1,0 +1,234 @@
+"""Prefill/decode disaggregation end to end: a prefill and a decode `mmserve serve` (NIXL over UCX on loopback)
+behind the real vllm-router in its PD mode. Greedy output equals a colocated instance's for text, image and video
+prompts, streamed or not; a decode instance that already holds a prefix reads only the blocks it lacks; a lease
+nobody claims ends; a prefill instance killed before the read fails the request or is recomputed, per policy."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mmserve.bench.servers import ServerProcess, free_port, wait_until_healthy
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+MODEL = "tiny"
+LEASE_S = 4.0
+# Both sides of every transfer here go over UCX's TCP transport (what crosses machines); the in-process
+# decode engines of the killed-prefill test use shared memory.
+UCX_TCP = {"UCX_TLS": "tcp,self"}
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def kv_transfer_config(role: str, side_channel_port: int, **extra: Any) -> str:
+    policy = extra.pop("kv_load_failure_policy", "fail")
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": side_channel_port,
+                                      **extra},
+    }  # fmt: skip
+    return json.dumps(config)
+
+
+def start_instance(model: Path, role: str, wait: bool = True, **extra: Any) -> ServerProcess:
+    args = ("--kv-transfer-config", kv_transfer_config(role, free_port(), **extra), "--num-kv-blocks", "256",
+            "--decode-workers", "1")  # fmt: skip
+    old = {k: os.environ.get(k) for k in UCX_TCP}
+    os.environ.update(UCX_TCP)
+    try:
+        return ServerProcess(model, served_model_name=MODEL, extra_args=args, wait=wait)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class PDRouter:
+    """vllm-router in vLLM's prefill/decode mode over one prefill and one decode instance (NIXL connector)."""
+
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+               "--prefill", prefill_url, "--decode", decode_url, "--policy", "round_robin", "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning", "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+               "--health-check-interval-secs", "1"]  # fmt: skip
+        self._log = tempfile.NamedTemporaryFile("w", prefix="mmserve-pd-router-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_until_healthy(self.proc, self.url, 60.0, Path(self._log.name), "vllm-router")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def pd(model: Path) -> Iterator[tuple[ServerProcess, ServerProcess, PDRouter]]:
+    prefill = start_instance(model, "kv_producer", wait=False, kv_lease_duration=LEASE_S)
+    try:
+        decode = start_instance(model, "kv_consumer", wait=False)
+        try:
+            prefill.wait_until_up()
+            decode.wait_until_up()
+            router = PDRouter(prefill.url, decode.url)
+            try:
+                yield prefill, decode, router
+            finally:
+                router.close()
+        finally:
+            decode.close()
+    finally:
+        prefill.close()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The value of `mmserve:<name>` (with these labels) in the server's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f"mmserve:{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no mmserve:{name} {labels} in /metrics")
+
+
+def data_url(path: Path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def chat(content: Any, max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}  # fmt: skip
+
+
+def complete(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed_text(url: str, body: dict[str, Any]) -> str:
+    parts = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+def text_of(response: dict[str, Any]) -> str:
+    return response["choices"][0]["message"]["content"]
+
+
+LONG_TEXT = "Tell me a story about a lighthouse keeper who counts the waves every night. " * 6
+
+
+def test_text_through_the_router_equals_a_colocated_instance(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+    prefill, decode, router = pd
+    body = chat(LONG_TEXT)
+    reference = complete(prefill.url, body)  # the prefill instance serving it alone (no kv_transfer_params)
+    assert reference["kv_transfer_params"] is None
+    loads_before = metric(decode.url, "kv_transfer_loads_total", outcome="done")
+    routed = complete(router.url, body)
+    assert text_of(routed) == text_of(reference)
+    assert routed["usage"]["completion_tokens"] == 12
+    assert metric(decode.url, "kv_transfer_loads_total", outcome="done") == loads_before + 1
+    # The decode instance read the blocks and told the prefill instance, which freed them (no lease left).
+    deadline = time.monotonic() + 10
+    while metric(prefill.url, "kv_transfer_leases") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(prefill.url, "kv_transfer_leases") == 0
+
+
+@pytest.mark.parametrize("media", ["image", "video"])
+def test_media_streamed_through_the_router(pd: tuple[ServerProcess, ServerProcess, PDRouter], media: str) -> None:
+    prefill, decode, router = pd
+    part = (
+        {"type": "image_url", "image_url": {"url": data_url(ASSETS / "sample.jpg", "image/jpeg")}}
+        if media == "image"
+        else {"type": "video_url", "video_url": {"url": data_url(ASSETS / "sample_clip.mp4", "video/mp4")}}
+    )
+    body = chat([part, {"type": "text", "text": f"What is in this {media}?"}], max_tokens=10)
+    reference = text_of(complete(prefill.url, body))
+    encoder_before = metric(decode.url, "encoder_tokens_total")
+    loads_before = metric(decode.url, "kv_transfer_loads_total", outcome="done")
+    assert streamed_text(router.url, body) == reference
+    assert metric(decode.url, "kv_transfer_loads_total", outcome="done") == loads_before + 1
+    # The decode instance read the media's KV: its vision tower never ran.
+    assert metric(decode.url, "encoder_tokens_total") == encoder_before
+
+
+def test_a_decode_instance_reads_only_the_blocks_it_lacks(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+    prefill, decode, router = pd
+    body = chat("A shared system prompt that many chats begin with, long enough for several blocks. " * 5)
+    first = complete(router.url, body)
+    hits_before = metric(decode.url, "prefix_cache_hits_total")
+    second = complete(router.url, body)
+    assert text_of(second) == text_of(first) == text_of(complete(prefill.url, body))
+    # All of its full blocks but the last were already here: only the rest was read.
+    assert metric(decode.url, "prefix_cache_hits_total") - hits_before >= 16 * 4
+
+
+def test_an_unclaimed_lease_ends(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+    prefill, _, _ = pd
+    expired_before = metric(prefill.url, "kv_transfer_leases_expired_total")
+    usage_before = metric(prefill.url, "kv_cache_usage_perc")
+    answer = complete(prefill.url, chat("Nobody will read this. " * 8, max_tokens=1,
+                                        kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+    assert params["remote_host"] == "127.0.0.1" and params["tp_size"] == 1
+    assert metric(prefill.url, "kv_transfer_leases") == 1
+    assert metric(prefill.url, "kv_cache_usage_perc") > usage_before
+    deadline = time.monotonic() + LEASE_S + 10
+    while metric(prefill.url, "kv_transfer_leases") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(prefill.url, "kv_transfer_leases") == 0
+    assert metric(prefill.url, "kv_transfer_leases_expired_total") == expired_before + 1
+    assert metric(prefill.url, "kv_cache_usage_perc") == usage_before
+
+
+def test_refusals_name_the_field(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+    prefill, decode, _ = pd
+
+    def refused(url: str, body: dict[str, Any]) -> str:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]["message"]
+
+    assert "stream must be false" in refused(prefill.url, chat("hi", kv_transfer_params={"do_remote_decode": True},
+                                                                  stream=True))  # fmt: skip
+    assert "kv_role" in refused(decode.url, chat("hi", kv_transfer_params={"do_remote_decode": True}))
+    remote = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [0], "remote_host": "127.0.0.1",
+              "remote_port": 1, "remote_request_id": "r"}  # fmt: skip
+    assert "kv_role" in refused(prefill.url, chat("hi", kv_transfer_params=remote))
+    assert "remote_block_ids" in refused(decode.url, chat("hi " * 40, kv_transfer_params=remote))
+    assert "unknown field" in refused(decode.url, chat("hi", kv_transfer_params={"do_remote_decode": True, "x": 1}))
+    assert re.search("remote_port", refused(decode.url, chat("hi", kv_transfer_params={**remote, "remote_port": None})))
