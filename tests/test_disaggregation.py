@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,10 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from mmserve.bench.servers import ServerProcess, free_port, wait_until_healthy
+from mmserve.bench.router import SERVED_MODEL_NAME, PDRouterProcess, pd_instance
+from mmserve.bench.servers import ServerProcess
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-MODEL = "tiny"
+MODEL = SERVED_MODEL_NAME
 LEASE_S = 4.0
 # Both sides of every transfer here go over UCX's TCP transport (what crosses machines); the in-process
 # decode engines of the killed-prefill test use shared memory.
@@ -32,56 +29,8 @@ UCX_TCP = {"UCX_TLS": "tcp,self"}
 pytestmark = pytest.mark.timeout(600)
 
 
-def kv_transfer_config(role: str, side_channel_port: int, **extra: Any) -> str:
-    policy = extra.pop("kv_load_failure_policy", "fail")
-    config = {
-        "kv_connector": "NixlConnector",
-        "kv_role": role,
-        "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": side_channel_port,
-                                      **extra},
-    }  # fmt: skip
-    return json.dumps(config)
-
-
 def start_instance(model: Path, role: str, wait: bool = True, **extra: Any) -> ServerProcess:
-    args = ("--kv-transfer-config", kv_transfer_config(role, free_port(), **extra), "--num-kv-blocks", "256",
-            "--decode-workers", "1")  # fmt: skip
-    old = {k: os.environ.get(k) for k in UCX_TCP}
-    os.environ.update(UCX_TCP)
-    try:
-        return ServerProcess(model, served_model_name=MODEL, extra_args=args, wait=wait)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-class PDRouter:
-    """vllm-router in vLLM's prefill/decode mode over one prefill and one decode instance (NIXL connector)."""
-
-    def __init__(self, prefill_url: str, decode_url: str) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-               "--prefill", prefill_url, "--decode", decode_url, "--policy", "round_robin", "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning", "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
-               "--health-check-interval-secs", "1"]  # fmt: skip
-        self._log = tempfile.NamedTemporaryFile("w", prefix="mmserve-pd-router-", suffix=".log")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_healthy(self.proc, self.url, 60.0, Path(self._log.name), "vllm-router")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._log.close()
+    return pd_instance(model, role, ("--num-kv-blocks", "256", "--decode-workers", "1"), wait, UCX_TCP, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +39,14 @@ def model(tiny_model_dir: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pd(model: Path) -> Iterator[tuple[ServerProcess, ServerProcess, PDRouter]]:
+def pd(model: Path) -> Iterator[tuple[ServerProcess, ServerProcess, PDRouterProcess]]:
     prefill = start_instance(model, "kv_producer", wait=False, kv_lease_duration=LEASE_S)
     try:
         decode = start_instance(model, "kv_consumer", wait=False)
         try:
             prefill.wait_until_up()
             decode.wait_until_up()
-            router = PDRouter(prefill.url, decode.url)
+            router = PDRouterProcess([prefill.url], [decode.url])
             try:
                 yield prefill, decode, router
             finally:
@@ -150,7 +99,7 @@ def text_of(response: dict[str, Any]) -> str:
 LONG_TEXT = "Tell me a story about a lighthouse keeper who counts the waves every night. " * 6
 
 
-def test_text_through_the_router_equals_a_colocated_instance(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+def test_text_through_the_router_equals_a_colocated_instance(pd: tuple[ServerProcess, ServerProcess, PDRouterProcess]) -> None:
     prefill, decode, router = pd
     body = chat(LONG_TEXT)
     reference = complete(prefill.url, body)  # the prefill instance serving it alone (no kv_transfer_params)
@@ -168,7 +117,7 @@ def test_text_through_the_router_equals_a_colocated_instance(pd: tuple[ServerPro
 
 
 @pytest.mark.parametrize("media", ["image", "video"])
-def test_media_streamed_through_the_router(pd: tuple[ServerProcess, ServerProcess, PDRouter], media: str) -> None:
+def test_media_streamed_through_the_router(pd: tuple[ServerProcess, ServerProcess, PDRouterProcess], media: str) -> None:
     prefill, decode, router = pd
     part = (
         {"type": "image_url", "image_url": {"url": data_url(ASSETS / "sample.jpg", "image/jpeg")}}
@@ -185,7 +134,7 @@ def test_media_streamed_through_the_router(pd: tuple[ServerProcess, ServerProces
     assert metric(decode.url, "encoder_tokens_total") == encoder_before
 
 
-def test_a_decode_instance_reads_only_the_blocks_it_lacks(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+def test_a_decode_instance_reads_only_the_blocks_it_lacks(pd: tuple[ServerProcess, ServerProcess, PDRouterProcess]) -> None:
     prefill, decode, router = pd
     body = chat("A shared system prompt that many chats begin with, long enough for several blocks. " * 5)
     first = complete(router.url, body)
@@ -196,7 +145,7 @@ def test_a_decode_instance_reads_only_the_blocks_it_lacks(pd: tuple[ServerProces
     assert metric(decode.url, "prefix_cache_hits_total") - hits_before >= 16 * 4
 
 
-def test_an_unclaimed_lease_ends(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+def test_an_unclaimed_lease_ends(pd: tuple[ServerProcess, ServerProcess, PDRouterProcess]) -> None:
     prefill, _, _ = pd
     expired_before = metric(prefill.url, "kv_transfer_leases_expired_total")
     usage_before = metric(prefill.url, "kv_cache_usage_perc")
@@ -215,7 +164,7 @@ def test_an_unclaimed_lease_ends(pd: tuple[ServerProcess, ServerProcess, PDRoute
     assert metric(prefill.url, "kv_cache_usage_perc") == usage_before
 
 
-def test_refusals_name_the_field(pd: tuple[ServerProcess, ServerProcess, PDRouter]) -> None:
+def test_refusals_name_the_field(pd: tuple[ServerProcess, ServerProcess, PDRouterProcess]) -> None:
     prefill, decode, _ = pd
 
     def refused(url: str, body: dict[str, Any]) -> str:

@@ -79,6 +79,10 @@ class _StatsCollector(Collector):
         yield loads
         yield gauge("kv_transfer_leases", "Finished requests whose KV blocks wait for a decode instance "
                     "to read them.", s.num_kv_leases)  # fmt: skip
+        yield counter("kv_transfer_blocks_read", "KV blocks read from prefill instances (each: every layer's "
+                      "K and V).", s.num_kv_blocks_read)  # fmt: skip
+        yield counter("kv_transfer_read_seconds", "Wall seconds of those reads, from posting each to its "
+                      "completion, summed.", s.kv_read_s)  # fmt: skip
         yield counter("kv_transfer_leases_expired", "Leases that ended before any decode instance read "
                       "their blocks (the blocks were freed).", s.num_kv_leases_expired)  # fmt: skip
         st = s.step_time

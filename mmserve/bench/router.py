@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -100,6 +101,54 @@ class RouterProcess:
 
     def close(self) -> None:
         self.proc.kill()  # no graceful stop needed: it keeps nothing and starts no children
+        self.proc.wait()
+        self._log.close()
+
+
+def kv_transfer_config(role: str, side_channel_port: int, policy: str = "fail", **extra: Any) -> str:
+    """--kv-transfer-config's JSON for an instance of `role` (kv_producer | kv_consumer | kv_both) whose NIXL side
+    channel listens on loopback at `side_channel_port`; `extra`: more of kv_connector_extra_config."""
+    return json.dumps({
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": side_channel_port, **extra},
+    })  # fmt: skip
+
+
+def pd_instance(model: Path, role: str, extra_args: tuple[str, ...] = (), wait: bool = True,
+                env: dict[str, str] | None = None, **extra: Any) -> ServerProcess:  # fmt: skip
+    """`mmserve serve` as a prefill or decode instance on free ports (HTTP and side channel). `env`: set in the
+    server's environment (e.g. UCX_TLS); `extra`: kv_connector_extra_config fields (policy= the failure policy)."""
+    args = ("--kv-transfer-config", kv_transfer_config(role, free_port(), **extra), *extra_args)
+    return ServerProcess(model, served_model_name=SERVED_MODEL_NAME, extra_args=args, wait=wait, env=env)
+
+
+class PDRouterProcess:
+    """vllm-router in vLLM's prefill/decode mode (`--vllm-pd-disaggregation --kv-connector nixl`) over prefill and
+    decode instances started with --kv-transfer-config, on loopback, round robin within each role."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str]) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+               "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"]  # fmt: skip
+        for url in prefill_urls:
+            cmd += ["--prefill", url]
+        for url in decode_urls:
+            cmd += ["--decode", url]
+        self._log = tempfile.NamedTemporaryFile("w", prefix="mmserve-pd-router-", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_until_healthy(self.proc, self.url, 60.0, Path(self._log.name), "vllm-router")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.proc.kill()
         self.proc.wait()
         self._log.close()
 

@@ -68,9 +68,11 @@ class ServerProcess:
     temporary file, whose tail is raised when the server fails to come up (within 300 s)."""
 
     def __init__(self, model: Path, *, port: int | None = None, served_model_name: str = "bench",
-                 extra_args: Sequence[str] = (), wait: bool = True, **engine_kwargs: Any) -> None:  # fmt: skip
+                 extra_args: Sequence[str] = (), wait: bool = True, env: dict[str, str] | None = None,
+                 **engine_kwargs: Any) -> None:  # fmt: skip
         """`engine_kwargs`: EngineArgs fields that `mmserve serve` has flags for (None: its default);
-        `extra_args`: more flags as given. `port` None: a free one. `wait` False: `wait_until_up` later."""
+        `extra_args`: more flags as given. `port` None: a free one. `wait` False: `wait_until_up` later.
+        `env`: variables set for the server beside this process's."""
         self._tmp = tempfile.TemporaryDirectory(prefix="mmserve-bench-")
         self.port = port = port or free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -85,7 +87,7 @@ class ServerProcess:
                 cmd += [f"--{name.replace('_', '-')}"] if value else []
             elif value is not None:
                 cmd += [f"--{name.replace('_', '-')}", str(value)]
-        env = {**os.environ, "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
+        env = {**os.environ, **(env or {}), "MMSERVE_DATA_DIR": str(Path(self._tmp.name) / "data")}
         env.pop("MMSERVE_API_KEY", None)
         self.log_path = Path(self._tmp.name) / "server.log"
         self._log = self.log_path.open("w")

@@ -69,8 +69,11 @@ class InProcessExecutor:
         # Reads finish between steps: a block read now is computed on from the next plan on, and a
         # request's blocks are read by a decode instance only after the step that wrote them returned.
         output = self._runner.execute(plan, grammar)
-        done, failed, sent = self._kv_worker.step(plan.kv_loads)
-        return dataclasses.replace(output, kv_loads_done=done, kv_loads_failed=failed, kv_sends_done=sent)
+        report = self._kv_worker.step(plan.kv_loads)
+        return dataclasses.replace(
+            output, kv_loads_done=report.done, kv_loads_failed=report.failed, kv_sends_done=report.sent,
+            kv_blocks_read=report.blocks_read, kv_read_s=report.read_s,
+        )  # fmt: skip
 
     def reset_encoder_cache(self) -> None:
         self._runner.reset_encoder_cache()

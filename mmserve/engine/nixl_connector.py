@@ -124,6 +124,19 @@ class _Read:
     load: KVLoad
     deadline: float  # time.monotonic()
     handle: object = None  # the NIXL transfer, once posted
+    posted_at: float = 0.0  # time.perf_counter() when posted
+
+
+@dataclass(frozen=True)
+class KVTransferReport:
+    """One step's news: reads into this instance that ended (their request ids), the requests whose blocks
+    decode instances have read, and the blocks and wall seconds of the reads done."""
+
+    done: tuple[str, ...]
+    failed: tuple[str, ...]
+    sent: tuple[str, ...]
+    blocks_read: int
+    read_s: float
 
 
 class NixlKVWorker:
@@ -178,9 +191,8 @@ class NixlKVWorker:
         return np.stack([addrs, np.full_like(addrs, block_len), np.full_like(addrs, self.device_id)], axis=1)
 
     # -- one engine step -------------------------------------------------------------------------------
-    def step(self, loads: tuple[KVLoad, ...]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-        """Start `loads`, advance the reads in flight: (reads done, reads failed, requests whose blocks a
-        decode instance has read)."""
+    def step(self, loads: tuple[KVLoad, ...]) -> KVTransferReport:
+        """Start `loads`, advance the reads in flight, collect the notifications of reads out of this pool."""
         now = time.monotonic()
         for load in loads:
             self._reads[load.request_id] = _Read(load, now + self.timeout_s)
@@ -190,15 +202,21 @@ class NixlKVWorker:
                 )
         done: list[str] = []
         failed: list[str] = []
+        blocks_read, read_s = 0, 0.0
         broken = self._finish_handshakes()
         for request_id, read in list(self._reads.items()):
             ok = self._advance(read, broken, now)
-            if ok is not None:
-                del self._reads[request_id]
-                (done if ok else failed).append(request_id)
-                if not ok:
-                    self._forget_remote(read.load.remote_engine_id)  # it may have restarted: handshake again
-        return tuple(done), tuple(failed), self._reads_of_ours()
+            if ok is None:
+                continue
+            del self._reads[request_id]
+            if ok:
+                done.append(request_id)
+                blocks_read += len(read.load.local_block_ids)
+                read_s += time.perf_counter() - read.posted_at if read.posted_at else 0.0
+            else:
+                failed.append(request_id)
+                self._forget_remote(read.load.remote_engine_id)  # it may have restarted: handshake again
+        return KVTransferReport(tuple(done), tuple(failed), self._reads_of_ours(), blocks_read, read_s)
 
     def _advance(self, read: _Read, broken: dict[str, str], now: float) -> bool | None:
         """One read's progress: True done, False failed, None still going."""
@@ -241,6 +259,7 @@ class NixlKVWorker:
         local = [r * self.num_blocks + b for r in range(num_regions) for b in load.local_block_ids]
         far = [r * remote.num_blocks + b for r in range(num_regions) for b in load.remote_block_ids]
         try:
+            read.posted_at = time.perf_counter()
             read.handle = self.agent.make_prepped_xfer("READ", self._local, local, remote.dlist, far, notif_msg=notif)
             state = self.agent.transfer(read.handle)
         except Exception as exc:

@@ -42,6 +42,8 @@ class KVTransferScheduler:
         self.num_loads_done = 0
         self.num_loads_failed = 0
         self.num_leases_expired = 0
+        self.num_blocks_read = 0
+        self.read_s = 0.0
 
     # -- decode side -----------------------------------------------------------------------------------
     def wants_load(self, request: Request) -> bool:

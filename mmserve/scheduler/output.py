@@ -157,6 +157,8 @@ class ModelRunnerOutput:
     kv_loads_done: tuple[str, ...] = ()
     kv_loads_failed: tuple[str, ...] = ()
     kv_sends_done: tuple[str, ...] = ()
+    kv_blocks_read: int = 0  # blocks the reads in kv_loads_done brought (each block: every layer's K and V)
+    kv_read_s: float = 0.0  # their wall seconds, from posting each read to its completion, summed
 
 
 @dataclass(frozen=True)

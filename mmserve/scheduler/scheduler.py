@@ -69,6 +69,8 @@ class SchedulerStats:
     num_kv_loads_done: int = 0
     num_kv_loads_failed: int = 0
     num_kv_leases_expired: int = 0
+    num_kv_blocks_read: int = 0  # blocks read from prefill instances (every layer's K and V of each)
+    kv_read_s: float = 0.0  # wall seconds of those reads, summed
     step_time: StepTimeStats | None = None  # the step-time model against the measured steps
 
     @property
@@ -330,6 +332,8 @@ class Scheduler:
             num_kv_loads_done=kv.num_loads_done if kv is not None else 0,
             num_kv_loads_failed=kv.num_loads_failed if kv is not None else 0,
             num_kv_leases_expired=kv.num_leases_expired if kv is not None else 0,
+            num_kv_blocks_read=kv.num_blocks_read if kv is not None else 0,
+            kv_read_s=kv.read_s if kv is not None else 0.0,
         )
 
     # -- one step ----------------------------------------------------------------------------------
@@ -463,6 +467,8 @@ class Scheduler:
         (they may go now), and reads into this instance that ended, well or not."""
         kv = self.kv_transfer
         assert kv is not None
+        kv.num_blocks_read += runner_output.kv_blocks_read
+        kv.read_s += runner_output.kv_read_s
         for request_id in runner_output.kv_sends_done:
             request = kv.release(request_id)
             if request is not None:
