@@ -447,7 +447,7 @@ class Scheduler:
             status = self._check_stop(request, token_id)
             kv_transfer_params = None
             if status is not None:
-                kv_transfer_params = self._finish(request, status)
+                kv_transfer_params = self._finish(request, status, hand_over=True)
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -779,9 +779,10 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> KVTransferParams | None:
-        """End the request and free what it holds. A prefill instance's `do_remote_decode` request keeps its
-        blocks for a decode instance instead: returns what to tell it (else None)."""
+    def _finish(self, request: Request, status: RequestStatus, hand_over: bool = False) -> KVTransferParams | None:
+        """End the request and free what it holds. `hand_over` (the engine ended it on a sampled token): a
+        prefill instance's `do_remote_decode` request keeps its blocks for a decode instance instead, and
+        this returns what to tell it (else None)."""
         kv_transfer = self.kv_transfer
         handed_over = None
         if request.status == RequestStatus.RUNNING:
@@ -790,7 +791,7 @@ class Scheduler:
             self.waiting.remove(request)
         if kv_transfer is not None and kv_transfer.orphan(request):
             pass  # a read may still write into its blocks: freed when it ends
-        elif kv_transfer is not None and kv_transfer.should_hold(request, status):
+        elif hand_over and kv_transfer is not None and kv_transfer.should_hold(request, status):
             handed_over = kv_transfer.hold(request, self.kv.block_ids(request.request_id))
         else:
             self.kv.free(request)
