@@ -6,6 +6,7 @@ nobody claims ends; a prefill instance killed before the read fails the request 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import time
@@ -17,13 +18,13 @@ import httpx
 import pytest
 
 from mmserve.bench.router import SERVED_MODEL_NAME, PDRouterProcess, pd_instance
-from mmserve.bench.servers import ServerProcess
+from mmserve.bench.servers import ServerProcess, free_port
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 MODEL = SERVED_MODEL_NAME
 LEASE_S = 4.0
-# Both sides of every transfer here go over UCX's TCP transport (what crosses machines); the in-process
-# decode engines of the killed-prefill test use shared memory.
+# Every transfer here goes over UCX's TCP transport (what crosses machines); tests/test_nixl_connector.py
+# also reads over UCX's own choice of transports (shared memory on one machine).
 UCX_TCP = {"UCX_TLS": "tcp,self"}
 
 pytestmark = pytest.mark.timeout(600)
@@ -181,3 +182,67 @@ def test_refusals_name_the_field(pd: tuple[ServerProcess, ServerProcess, PDRoute
     assert "remote_block_ids" in refused(decode.url, chat("hi " * 40, kv_transfer_params=remote))
     assert "unknown field" in refused(decode.url, chat("hi", kv_transfer_params={"do_remote_decode": True, "x": 1}))
     assert re.search("remote_port", refused(decode.url, chat("hi", kv_transfer_params={**remote, "remote_port": None})))
+
+
+def run_core(core: Any, request: Any, timeout_s: float = 60.0) -> list[Any]:
+    """Step an in-process engine core until `request` ends: its outputs."""
+    core.add_request(request)
+    outputs: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while not any(o.finished for o in outputs):
+        assert time.monotonic() < deadline, "the request did not end"
+        outputs += [o for o in core.step().outputs if o.request_id == request.request_id]
+        time.sleep(0.002)
+    while core.has_unfinished_requests() and time.monotonic() < deadline:  # the runner forgets it
+        core.step()
+    return outputs
+
+
+def test_a_prefill_instance_killed_before_the_read(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fail`: a clean error; `recompute`: the decode instance prefills it itself, with the colocated output.
+    Nothing leaks on the decode side either way."""
+    import psutil
+
+    from mmserve.config import EngineArgs, KVTransferConfig
+    from mmserve.engine.core import EngineCore
+    from mmserve.request import Request, SamplingParams
+
+    prefill = start_instance(model, "kv_producer")
+    try:
+        prompts = {"fail": list(range(40, 90)), "recompute": list(range(90, 140))}
+        answers = {}
+        for policy, ids in prompts.items():
+            body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+            response = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            answers[policy] = response.json()["kv_transfer_params"]
+        assert prefill.proc is not None
+        server = psutil.Process(prefill.proc.pid)
+        family = [server, *server.children(recursive=True)]  # its engine core holds the KV and side channel
+        for proc in family:
+            proc.kill()
+        psutil.wait_procs(family, timeout=30)
+    finally:
+        prefill.close()
+    monkeypatch.setenv("UCX_TLS", UCX_TCP["UCX_TLS"])
+    for policy, ids in prompts.items():
+        config = KVTransferConfig(kv_role="kv_consumer", kv_load_failure_policy=policy,
+                                  kv_connector_extra_config={"side_channel_host": "127.0.0.1",
+                                                             "side_channel_port": free_port(), "kv_load_timeout": 2})  # fmt: skip
+        core = EngineCore(EngineArgs(model=str(model), device="cpu", num_kv_blocks=64, kv_transfer_config=config))
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, kv_transfer=answers[policy])
+            outputs = run_core(core, Request(f"{policy}-remote", ids, params))
+            if policy == "fail":
+                assert [o.finish_reason for o in outputs] == ["error"]
+                assert "prefill instance" in (outputs[0].error or "")
+            else:
+                local = run_core(core, Request("local", ids, dataclasses.replace(params, kv_transfer=None)))
+                tokens = [t for o in outputs for t in o.new_token_ids]
+                assert len(tokens) == 6 and tokens == [t for o in local for t in o.new_token_ids]
+            stats = core.stats()
+            assert (stats.num_kv_loads_failed, stats.num_kv_loads_done) == (1, 0)
+            assert not any(core.leak_report().values()), core.leak_report()
+        finally:
+            core.close()

@@ -169,6 +169,34 @@ class RouterBenchConfig(BenchConfig):
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class DisaggBenchConfig(BenchConfig):
+    """`mmserve bench disagg`."""
+
+    num_chats: int = knob(8, "chats, all sent at once, streaming while the long prompts arrive", low=1)
+    chat_input_len: int = knob(64, "tokens of each chat's prompt (about)", low=1)
+    chat_output_len: int = knob(96, "tokens each chat streams (ignore_eos)", low=2)
+    num_long: int = knob(3, "long media prompts, sent --long-interval-s apart once every chat streams", low=1)
+    long_media: str = knob("image", "what a long prompt carries: --num-images images or one video",
+                           choices=("image", "video"))  # fmt: skip
+    num_images: int = knob(4, "images per long prompt", low=1)
+    image_size: int = knob(448, "image side in pixels", low=28)
+    num_frames: int = knob(32, "frames of a long prompt's video", low=2)
+    video_size: int = knob(224, "video frame side in pixels", low=28)
+    long_output_len: int = knob(8, "tokens each long prompt generates", low=1)
+    long_interval_s: float = knob(1.0, "seconds between the long prompts", low=0.0)
+    num_kv_blocks: int = knob(2048, "per instance", low=16)
+    rounds: int = knob(3, "rounds of both systems in turn (the first alternating), each on a fresh draw; medians "
+                       "are reported", low=1)  # fmt: skip
+    seed: int = 0
+
+    def quick(self) -> DisaggBenchConfig:
+        """4 chats of 16 tokens, 2 long prompts of 2 112x112 images 0.2 s apart, one round: a smoke run"""
+        return dataclasses.replace(self, num_chats=4, chat_input_len=24, chat_output_len=16, num_long=2,
+                                   num_images=2, image_size=112, num_frames=4, video_size=56, long_output_len=4,
+                                   long_interval_s=0.2, num_kv_blocks=512, rounds=1)  # fmt: skip
+
+
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # as config.KV_CACHE_DTYPE_NAMES ("fp8" is fp8_e4m3)
 
 

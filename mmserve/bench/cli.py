@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench import (
+    DisaggBenchConfig,
     KernelsBenchConfig,
     KVCacheBenchConfig,
     LongVideoBenchConfig,
@@ -68,6 +69,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     _command(b, "router", "mmserve replicas behind vllm-router: routing policies side by side on prefix families "
              "(shared image and system prompt): prefix-cache hit rate, tok/s, TTFT, how well families stick to a "
              "replica", RouterBenchConfig, "checkpoint " + _PRESET, plot="write router.png into this directory")
+    _command(b, "disagg", "a colocated instance vs a prefill and a decode instance (NIXL) behind vllm-router's PD "
+             "mode, on chats streaming while long image/video prompts arrive: chat TTFT and ITL, long-prompt TTFT, "
+             "tok/s, KV read cost per block, greedy agreement", DisaggBenchConfig, "checkpoint " + _PRESET)
     _command(b, "kv-cache", "KV cache dtypes (auto, fp8_e4m3, fp8_e5m2) side by side at one pool memory: sequences "
              "run at once, preemptions, tok/s, greedy agreement and first-token logprob error against the first",
              KVCacheBenchConfig, "checkpoint " + _PRESET)
@@ -131,6 +135,7 @@ _COMMANDS: dict[str, tuple[type, str, _Run, str | None]] = {
         _bench_model(a.model, "qwen2"), cfg, progress=not a.no_progress), "plot_tensor_parallel"),
     "router": (RouterBenchConfig, "router", lambda m, a, cfg: m.bench_router(_bench_model(a.model), cfg),
                "plot_router"),
+    "disagg": (DisaggBenchConfig, "disagg", lambda m, a, cfg: m.bench_disagg(_bench_model(a.model), cfg), None),
     "kv-cache": (KVCacheBenchConfig, "kv_cache", lambda m, a, cfg: m.bench_kv_cache(_bench_model(a.model), cfg), None),
     "quantization": (QuantizationBenchConfig, "quantization",
                      lambda m, a, cfg: m.bench_quantization(_bench_model(a.model), cfg), None),

@@ -149,6 +149,7 @@ class NixlKVWorker:
         from nixl._api import nixl_agent, nixl_agent_config  # only an instance that disaggregates needs it
 
         self.engine_id = engine_id
+        self.side_channel_port = config.side_channel_port
         self.block_size = block_size
         self.timeout_s = config.kv_load_timeout
         first = kv_caches[0]  # [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
