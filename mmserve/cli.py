@@ -304,6 +304,15 @@ def _add_replica_flags(parser: argparse.ArgumentParser) -> None:
         '5600}}\'; requests then take vLLM\'s kv_transfer_params (vllm-router --vllm-pd-disaggregation drives them)',
     )
     g.add_argument(
+        "--ec-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='encoder disaggregation over a shared directory in vLLM\'s protocol (its --ec-transfer-config), e.g. '
+        '\'{"ec_connector": "ECExampleConnector", "ec_role": "ec_producer", "ec_connector_extra_config": '
+        '{"shared_storage_path": "/shared/ec"}}\': an ec_producer (encoder instance) stores every image and video '
+        'group it encodes there; an ec_consumer (prefill instance) loads them instead of encoding',
+    )
+    g.add_argument(
         "--vllm-metric-names",
         action="store_true",
         help="also export the scheduler gauges under vLLM's names (vllm:num_requests_waiting, "
@@ -374,7 +383,7 @@ def _slo_engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.api.server import ServeOptions, run_server
     from mmserve.api.settings import ServerSettings
-    from mmserve.config import EngineArgs, KVEventsConfig, KVTransferConfig
+    from mmserve.config import ECTransferConfig, EngineArgs, KVEventsConfig, KVTransferConfig
     from mmserve.encoders.media import MediaLimits
     from mmserve.errors import MMServeError
 
@@ -405,6 +414,7 @@ def _serve(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             kv_events_config=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None,
             kv_transfer_config=KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config else None,
+            ec_transfer_config=ECTransferConfig.from_json(args.ec_transfer_config) if args.ec_transfer_config else None,
             **_slo_engine_kwargs(args),
             **parallel_engine_kwargs(args),
         )

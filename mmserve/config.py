@@ -275,6 +275,57 @@ class KVTransferConfig:
         return cls(**_json_object("kv_transfer_config", text, set(cls.__dataclass_fields__)))
 
 
+EC_ROLES = ("ec_producer", "ec_consumer")
+
+
+@dataclass(frozen=True)
+class ECTransferConfig:
+    """Encoder disaggregation (vLLM's `--ec-transfer-config`, the same JSON keys) over a shared directory
+    (vLLM's "ECExampleConnector"): an `ec_producer` (encoder) instance stores every temporal group it encodes
+    under `kv_connector_extra_config.shared_storage_path`, keyed by `mm_hash` and group; an `ec_consumer`
+    (prefill) instance loads a stored group into its encoder cache instead of running its vision tower."""
+
+    ec_connector: str = "ECExampleConnector"
+    ec_role: str = "ec_consumer"
+    engine_id: str | None = None  # vLLM's; a shared directory needs none
+    ec_buffer_device: str | None = None
+    ec_connector_extra_config: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"ec_transfer_config.{name}: {message}", param="ec_transfer_config")
+
+        if self.ec_connector != "ECExampleConnector":
+            raise bad("ec_connector", f"only 'ECExampleConnector' (a shared directory) is supported, got "
+                      f"{self.ec_connector!r}")  # fmt: skip
+        if self.ec_role not in EC_ROLES:
+            raise bad("ec_role", f"must be one of {', '.join(EC_ROLES)}, got {self.ec_role!r}")
+        if self.ec_buffer_device not in (None, "cpu", "cuda"):
+            raise bad("ec_buffer_device", f"must be 'cpu' or 'cuda', got {self.ec_buffer_device!r}")
+        extra = self.ec_connector_extra_config
+        if not isinstance(extra, dict):
+            raise bad("ec_connector_extra_config", "must be an object")
+        unknown = sorted(set(extra) - {"shared_storage_path"})
+        if unknown:
+            raise bad("ec_connector_extra_config", f"unknown field(s) {', '.join(unknown)}")
+        path = extra.get("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise bad("ec_connector_extra_config.shared_storage_path", f"must be a directory, got {path!r}")
+
+    @property
+    def shared_storage_path(self) -> str:
+        return str(self.ec_connector_extra_config["shared_storage_path"])
+
+    @property
+    def is_producer(self) -> bool:
+        return self.ec_role == "ec_producer"
+
+    @classmethod
+    def from_json(cls, text: str) -> ECTransferConfig:
+        """The `--ec-transfer-config` value: a JSON object of the fields above; unknown keys are refused."""
+        return cls(**_json_object("ec_transfer_config", text, set(cls.__dataclass_fields__)))
+
+
 def _json_object(param: str, text: str, known: set[str]) -> dict[str, object]:
     """A command-line JSON object whose keys must all be `known` (a config dataclass's fields)."""
     import json
@@ -352,6 +403,8 @@ class EngineArgs:
     kv_events_config: KVEventsConfig | None = None  # publish what the prefix cache holds (for routers)
     # Prefill/decode disaggregation over NIXL (vLLM's protocol); None: off.
     kv_transfer_config: KVTransferConfig | None = None
+    # Encoder disaggregation over a shared directory (vLLM's protocol); None: off.
+    ec_transfer_config: ECTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -408,11 +461,12 @@ class EngineArgs:
                 "kv_events_config: KV events announce prefix-cache blocks; they need prefix caching on",
                 param="kv_events_config",
             )
-        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
-            raise InvalidRequestError(
-                "kv_transfer_config: disaggregation runs on one rank per instance (tensor_parallel_size 1) for now",
-                param="kv_transfer_config",
-            )
+        for name in ("kv_transfer_config", "ec_transfer_config"):
+            if getattr(self, name) is not None and self.tensor_parallel_size > 1:
+                raise InvalidRequestError(
+                    f"{name}: disaggregation runs on one rank per instance (tensor_parallel_size 1) for now",
+                    param=name,
+                )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's configuration, once `max_model_len` is resolved against the checkpoint."""

@@ -30,8 +30,10 @@ UCX_TCP = {"UCX_TLS": "tcp,self"}
 pytestmark = pytest.mark.timeout(600)
 
 
-def start_instance(model: Path, role: str, wait: bool = True, **extra: Any) -> ServerProcess:
-    return pd_instance(model, role, ("--num-kv-blocks", "256", "--decode-workers", "1"), wait, UCX_TCP, **extra)
+def start_instance(model: Path, role: str, wait: bool = True, extra_args: tuple[str, ...] = (),
+                   **extra: Any) -> ServerProcess:  # fmt: skip
+    args = ("--num-kv-blocks", "256", "--decode-workers", "1", *extra_args)
+    return pd_instance(model, role, args, wait, UCX_TCP, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +41,23 @@ def model(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("qwen2_vl")
 
 
+def ec_transfer_config(role: str, path: Path) -> tuple[str, str]:
+    config = {"ec_connector": "ECExampleConnector", "ec_role": role,
+              "ec_connector_extra_config": {"shared_storage_path": str(path)}}  # fmt: skip
+    return "--ec-transfer-config", json.dumps(config)
+
+
 @pytest.fixture(scope="module")
-def pd(model: Path) -> Iterator[tuple[ServerProcess, ServerProcess, PDRouterProcess]]:
-    prefill = start_instance(model, "kv_producer", wait=False, kv_lease_duration=LEASE_S)
+def encoder_outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory an encoder instance stores its outputs in and the prefill instance loads them from."""
+    return tmp_path_factory.mktemp("encoder-outputs")
+
+
+@pytest.fixture(scope="module")
+def pd(model: Path, encoder_outputs: Path) -> Iterator[tuple[ServerProcess, ServerProcess, PDRouterProcess]]:
+    """The prefill instance also loads what an encoder instance stored (E/P/D when one is running)."""
+    prefill = start_instance(model, "kv_producer", wait=False, extra_args=ec_transfer_config("ec_consumer",
+                             encoder_outputs), kv_lease_duration=LEASE_S)  # fmt: skip
     try:
         decode = start_instance(model, "kv_consumer", wait=False)
         try:
@@ -246,3 +262,28 @@ def test_a_prefill_instance_killed_before_the_read(model: Path, monkeypatch: pyt
             assert not any(core.leak_report().values()), core.leak_report()
         finally:
             core.close()
+
+
+def test_an_encoder_instance_feeds_the_prefill_instance(
+    pd: tuple[ServerProcess, ServerProcess, PDRouterProcess], model: Path, encoder_outputs: Path
+) -> None:
+    """E/P/D: the encoder instance encodes the image and stores it; the prefill instance loads it instead of
+    running its tower; the decode instance reads the KV. The answer is the colocated one."""
+    prefill, decode, router = pd
+    encoder = ServerProcess(model, served_model_name=MODEL, extra_args=(*ec_transfer_config("ec_producer",
+                            encoder_outputs), "--num-kv-blocks", "8", "--decode-workers", "1"))  # fmt: skip
+    try:
+        image = {"type": "image_url", "image_url": {"url": data_url(ASSETS / "easy-vqa-test-2.png", "image/png")}}
+        body = chat([image, {"type": "text", "text": "Which shape is this?"}], max_tokens=8)
+        reference = text_of(complete(decode.url, body))  # the decode instance alone encodes it itself
+        encoded = complete(encoder.url, {**body, "max_tokens": 1})  # what a proxy sends an encoder instance
+        assert encoded["usage"]["completion_tokens"] == 0 and text_of(encoded) == ""
+        assert metric(encoder.url, "encoder_tokens_total") > 0
+        assert len(list(encoder_outputs.glob("*.safetensors"))) == 1
+        computed = metric(prefill.url, "encoder_tokens_total")
+        loaded = metric(prefill.url, "encoder_tokens_loaded_total")
+        assert text_of(complete(router.url, body)) == reference
+        assert metric(prefill.url, "encoder_tokens_total") == computed  # its tower did not run
+        assert metric(prefill.url, "encoder_tokens_loaded_total") - loaded == metric(encoder.url, "encoder_tokens_total")
+    finally:
+        encoder.close()

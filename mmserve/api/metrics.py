@@ -58,6 +58,8 @@ class _StatsCollector(Collector):
         yield counter(
             "encoder_tokens", "Embedding tokens the vision encoder computed.", s.num_encoder_tokens_computed
         )
+        yield counter("encoder_tokens_loaded", "Embedding tokens loaded from an encoder instance's output "
+                      "(--ec-transfer-config) instead of computed.", s.num_encoder_tokens_loaded)  # fmt: skip
         by_class = CounterMetricFamily(P + "num_preemptions_by_class", "Preemptions by recompute, by the "
                                        "preempted request's class.", labels=[*labels, "service_class"])  # fmt: skip
         by_class.add_metric([self.model, "interactive"], s.num_preemptions_interactive)

@@ -24,6 +24,7 @@ import torch
 
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
 from mmserve.engine.device import resolve_device, resolve_dtype
+from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.executor import Executor, InProcessExecutor
 from mmserve.engine.faults import EngineFatalError, StepFault
 from mmserve.engine.kv_event_publisher import KVEventPublisher
@@ -79,6 +80,9 @@ class EngineCore:
             self.kv_transfer_config = dataclasses.replace(self.kv_transfer_config, engine_id=str(uuid.uuid4()))
         # Bound before the model loads, so a busy port fails the start at once.
         self._kv_events = KVEventPublisher(events) if events is not None else None
+        # Encoder disaggregation: the shared directory an encoder instance fills and a prefill instance reads.
+        ec = args.ec_transfer_config
+        self._encoder_store = SharedEncoderStore(ec.shared_storage_path) if ec is not None else None
         executor: Executor | None = None
         try:
             executor = self._start_executor(dtype_name, num_blocks)
@@ -87,9 +91,11 @@ class EngineCore:
             kv_transfer = None
             if self.kv_transfer_config is not None:
                 kv_transfer = (self.kv_transfer_config, str(self.kv_transfer_config.engine_id))
-            self._scheduler = Scheduler(
-                self.scheduler_config, self.cache_config, clock=time.monotonic, kv_transfer=kv_transfer
-            )
+            store = self._encoder_store
+            self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic,
+                                        kv_transfer=kv_transfer, encoder_outputs=store.contains if store else None,
+                                        encode_only=args.ec_transfer_config is not None
+                                        and args.ec_transfer_config.is_producer)  # fmt: skip
         except BaseException:  # nothing started here outlives a failed start
             if self._kv_events is not None:
                 self._kv_events.close()
@@ -106,7 +112,8 @@ class EngineCore:
             runner = ModelRunner(
                 args.model, self.model_config, self.device, self.dtype, num_blocks, args.block_size, self.hf_config,
                 kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
-                quant_compute=args.quant_compute,
+                quant_compute=args.quant_compute, encoder_store=self._encoder_store,
+                store_encoder_outputs=args.ec_transfer_config is not None and args.ec_transfer_config.is_producer,
             )  # fmt: skip
             kv_worker = None
             if self.kv_transfer_config is not None:
@@ -162,13 +169,14 @@ class EngineCore:
         )
 
     def _disaggregation(self) -> str | None:
-        config = self.kv_transfer_config
-        if config is None:
-            return None
-        return (
-            f"{config.kv_role} as engine {config.engine_id}, NIXL side channel on "
-            f"{config.side_channel_host}:{config.side_channel_port}"
-        )
+        parts = []
+        config, ec = self.kv_transfer_config, self.args.ec_transfer_config
+        if config is not None:
+            parts.append(f"{config.kv_role} as engine {config.engine_id}, NIXL side channel on "
+                         f"{config.side_channel_host}:{config.side_channel_port}")  # fmt: skip
+        if ec is not None:
+            parts.append(f"{ec.ec_role} of encoder outputs in {ec.shared_storage_path}")
+        return "; ".join(parts) or None
 
     def add_request(self, request: Request) -> None:
         """Raises MMServeError (InvalidRequestError, SloInfeasibleError...) if the scheduler refuses it.

@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.encoders.vision import VisionTower
+from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
@@ -71,13 +72,17 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         calculate_kv_scales: bool = False,
         quant_compute: str | None = None,
+        encoder_store: SharedEncoderStore | None = None,
+        store_encoder_outputs: bool = False,
     ) -> None:
         """`mm_encoder_tp_mode` (several ranks): "data", the tower replicated and the step's media split
         over the ranks; "weights", the tower sharded like the decoder and every item encoded by all.
         `kv_cache_dtype`: the KV cache's element type (an FP8 one: `kernels/fp8.py`); None: `dtype`.
         `calculate_kv_scales`: an FP8 cache's scales come from the first step's K/V, not the checkpoint.
         `quant_compute`: a quantized checkpoint's compute path, auto | dequantized | native (None:
-        $MMSERVE_QUANT_COMPUTE, else auto; models/quant/linear.py)."""
+        $MMSERVE_QUANT_COMPUTE, else auto; models/quant/linear.py).
+        `encoder_store`: encoder disaggregation's shared directory (one rank only): groups planned as loads come
+        from it; `store_encoder_outputs` (an encoder instance): every group this runner encodes goes into it."""
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
@@ -111,6 +116,8 @@ class ModelRunner:
         # (mm_hash, group) -> [tokens, embed_width]: the embeddings, then any DeepStack levels (vision.py)
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
+        self.encoder_store = encoder_store
+        self.store_encoder_outputs = store_encoder_outputs and encoder_store is not None
 
     @staticmethod
     def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -267,8 +274,14 @@ class ModelRunner:
         if not work:
             return
         if self.tp.world_size == 1:
+            if self.encoder_store is not None:
+                work = self._load_stored(work)
             for run in encoder_runs(work):
                 self._cache_run(run, self._encode_run(run))
+                if self.encoder_store is not None and self.store_encoder_outputs:
+                    for group in range(run.first, run.first + run.count):
+                        key = (run.mm_input.mm_hash, group)
+                        self.encoder_store.save(key, self.encoder_cache[key])
             return
         if self.shard_encoder:  # weights mode: every rank runs every item, the tower's collectives inside
             runs = encoder_runs(work)
@@ -302,6 +315,19 @@ class ModelRunner:
             for run in share:  # copies: a view would keep the whole padded buffer alive in the cache
                 self._cache_run(run, embeds[row : row + run.num_tokens].clone())
                 row += run.num_tokens
+
+    def _load_stored(self, work: tuple[EncoderWork, ...]) -> tuple[EncoderWork, ...]:
+        """Cache the groups planned as loads that the store still holds; the rest (and any it lost) to encode."""
+        assert self.encoder_store is not None
+        to_encode = []
+        for w in work:
+            key, tokens = (w.mm_input.mm_hash, w.group), w.mm_input.tokens_per_group
+            embeds = self.encoder_store.load(key, tokens, self.device, self.dtype) if w.load else None
+            if embeds is None:
+                to_encode.append(w)
+            else:
+                self.encoder_cache[key] = embeds
+        return tuple(to_encode)
 
     def _agree_on_encoder_inputs(self, runs: list[EncoderRun]) -> None:
         """Weights mode: every rank checks every run's inputs before the tower's first collective and

@@ -138,7 +138,7 @@ class OutputProcessor:
                 finish_reason, out.stop_reason = "stop", state.detokenizer.stop_reason
             elif finish_reason is not None:
                 out.new_text += state.detokenizer.flush()
-                last = core_out.new_token_ids[-1]
+                last = core_out.new_token_ids[-1] if core_out.new_token_ids else None  # none: an encoder instance's
                 if finish_reason == "stop" and last in state.params.stop_token_ids:
                     out.stop_reason = last
             out.text = state.detokenizer.output_text

@@ -25,11 +25,12 @@ class EncoderGrant(NamedTuple):
     group: int
     cached: bool  # in the encoder cache already: shared, not encoded
     charge: int  # tokens of the step's token budget its encoding takes (SchedulerConfig.encoder_token_cost)
+    loaded: bool = False  # not cached, but an encoder instance computed it: loaded, not encoded
 
 
 def new_encoder_tokens(plan: Iterable[EncoderGrant]) -> int:
-    """Embedding tokens the encoder must compute for a plan (cached groups cost nothing)."""
-    return sum(g.mm.tokens_per_group for g in plan if not g.cached)
+    """Embedding tokens the encoder must compute for a plan (cached and loaded groups cost nothing)."""
+    return sum(g.mm.tokens_per_group for g in plan if not g.cached and not g.loaded)
 
 
 class EncoderCacheManager:
@@ -44,6 +45,7 @@ class EncoderCacheManager:
         self.num_referenced_tokens = 0
         self.num_hit_tokens = 0  # embeddings served from the cache instead of the encoder
         self.num_computed_tokens = 0  # embeddings the encoder was asked to compute
+        self.num_loaded_tokens = 0  # embeddings loaded from an encoder instance's output instead
 
     @property
     def num_entries(self) -> int:
@@ -72,15 +74,19 @@ class EncoderCacheManager:
         """Tokens a new entry may take: everything not referenced can be evicted for it."""
         return self.capacity - self.num_referenced_tokens
 
-    def add(self, request_id: str, key: EncoderKey, num_tokens: int) -> None:
-        """Make room (evicting unreferenced entries) for a new entry the runner computes this step."""
+    def add(self, request_id: str, key: EncoderKey, num_tokens: int, loaded: bool = False) -> None:
+        """Make room (evicting unreferenced entries) for a new entry the runner computes this step (or, `loaded`,
+        loads from an encoder instance's output)."""
         while self.num_cached_tokens + num_tokens > self.capacity and self._unreferenced:
             old, _ = self._unreferenced.popitem(last=False)
             self.num_cached_tokens -= self._size.pop(old)
             self._evicted.append(old)
         self._size[key] = num_tokens
         self.num_cached_tokens += num_tokens
-        self.num_computed_tokens += num_tokens
+        if loaded:
+            self.num_loaded_tokens += num_tokens
+        else:
+            self.num_computed_tokens += num_tokens
         self._ref(request_id, key)
 
     def share(self, request_id: str, key: EncoderKey) -> None:

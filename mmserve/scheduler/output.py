@@ -52,6 +52,7 @@ class EncoderWork:
 
     mm_input: MultiModalInput
     group: int
+    load: bool = False  # an encoder instance computed it: the runner loads it (and encodes it only if that fails)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class SchedulerOutput:
 
     @property
     def num_encoder_tokens(self) -> int:
-        return sum(w.mm_input.tokens_per_group for w in self.encoder_work)
+        """Embedding tokens the encoder computes this step (loaded ones are not computed)."""
+        return sum(w.mm_input.tokens_per_group for w in self.encoder_work if not w.load)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens
     encoder_cache_hits: int  # embedding tokens served from the encoder cache
     num_encoder_tokens_computed: int  # embedding tokens the encoder computed
+    num_encoder_tokens_loaded: int = 0  # embedding tokens loaded from an encoder instance's output instead
     num_referenced_encoder_tokens: int = 0  # encoder-cache tokens some live request still needs
     num_encoder_cache_entries: int = 0  # (mm_hash, group) entries cached, referenced or not
     # Per service class (every policy counts them; only `slo` acts on classes).
@@ -110,8 +111,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         step_time_model: StepTimeModel | None = None,
         kv_transfer: tuple[KVTransferConfig, str] | None = None,
+        encoder_outputs: Callable[[EncoderKey], bool] | None = None,
+        encode_only: bool = False,
     ) -> None:
-        """`kv_transfer`: disaggregation's configuration and this instance's engine id; None: off."""
+        """`kv_transfer`: disaggregation's configuration and this instance's engine id; None: off.
+        `encoder_outputs`: whether an encoder instance has stored a group's embeddings for this one to load
+        (encoder disaggregation); None: every group not cached is encoded here. `encode_only` (an encoder
+        instance): requests get their media encoded and end, with no tokens and no KV."""
         self.config = scheduler_config
         self.policy = get_policy(scheduler_config.policy)
         self.clock = clock  # seconds; the same clock as Request.arrival_time
@@ -126,6 +132,9 @@ class Scheduler:
             cache_config.enable_kv_events,
         )
         self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
+        self._encoder_outputs = encoder_outputs
+        self.encode_only = encode_only
+        self._encoded: list[Request] = []  # encode-only requests whose last groups the current plan encodes
         self.kv_transfer: KVTransferScheduler | None = None
         if kv_transfer is not None:
             self.kv_transfer = KVTransferScheduler(*kv_transfer, cache_config.block_size, clock)
@@ -319,6 +328,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             encoder_cache_hits=self.encoder_cache.num_hit_tokens,
             num_encoder_tokens_computed=self.encoder_cache.num_computed_tokens,
+            num_encoder_tokens_loaded=self.encoder_cache.num_loaded_tokens,
             num_referenced_encoder_tokens=self.encoder_cache.num_referenced_tokens,
             num_encoder_cache_entries=self.encoder_cache.num_entries,
             num_preemptions_interactive=self.num_preemptions_by_class[ServiceClass.INTERACTIVE],
@@ -343,7 +353,9 @@ class Scheduler:
             for request in self.kv_transfer.expired():  # no decode instance read them in time
                 self.kv.free(request)
             self._start_remote_loads()  # they take blocks, no budget: before any policy plans the step
-        if self.slo is not None:
+        if self.encode_only:
+            self._schedule_encodes(step)
+        elif self.slo is not None:
             self.slo.fill(step, self.clock())
         else:
             if self.policy.prefill_first:
@@ -425,6 +437,12 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens and finish requests that stop. One output per sampled request."""
         outputs = self._apply_kv_transfers(runner_output) if self.kv_transfer is not None else []
+        encoded, self._encoded = self._encoded, []
+        for request in encoded:  # an encoder instance's request: its media are encoded (and stored)
+            if request.request_id in self.requests:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                outputs.append(EngineCoreOutput(request.request_id, (), None, "length",
+                                                first_scheduled_time=request.first_scheduled_time))  # fmt: skip
         for failed in runner_output.failed:  # left out of the step by the runner: they fail alone
             request = self.requests.get(failed.request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -558,6 +576,34 @@ class Scheduler:
                 break
             self.start_running(request, num_cached)
             self.grant(step, request, num_new_tokens, encoder_plan)
+
+    def _schedule_encodes(self, step: _Step) -> None:
+        """An encoder instance's step: the waiting requests' media groups in policy order, within the encoder
+        budget and the cache's room (a group bigger than either runs alone). Groups cached or already stored
+        are not encoded again. A request whose every group is planned ends with this step."""
+        self._encoded = []
+        for request in self.admissible_waiting():
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            for mm in request.mm_inputs:
+                for group in range(mm.num_groups):
+                    key, tokens = (mm.mm_hash, group), mm.tokens_per_group
+                    if self.encoder_cache.holds(request.request_id, key):
+                        continue
+                    if self.encoder_cache.is_cached(key):
+                        self.encoder_cache.share(request.request_id, key)
+                        continue
+                    if self._encoder_outputs is not None and self._encoder_outputs(key):
+                        continue  # stored already (by this instance or another)
+                    budget, room = step.encoder_budget, self.encoder_cache.room()
+                    if (tokens > budget and budget < self.config.max_num_encoder_tokens) or (
+                        tokens > room and room < self.encoder_cache.capacity
+                    ):
+                        return
+                    self.encoder_cache.add(request.request_id, key, tokens)
+                    step.encoder_budget -= tokens
+                    step.encoder_work.append(EncoderWork(mm, group))
+            self._encoded.append(request)
 
     def _start_remote_loads(self) -> None:
         """Admit the waiting requests prefilled remotely, in policy order while blocks and max_num_seqs last:
@@ -698,7 +744,9 @@ class Scheduler:
                     continue
                 group_start = max(0, mm.group_range(group)[0] - start)
                 cached = self.encoder_cache.is_cached(key)
-                charge = 0 if cached else math.ceil(cost * tokens)
+                # Stored by an encoder instance: loaded into the cache, so it takes room but no encoder time.
+                loaded = not cached and self._encoder_outputs is not None and self._encoder_outputs(key)
+                charge = 0 if cached or loaded else math.ceil(cost * tokens)
                 # With a cost, the chunk must still reach one token into the group after the charges.
                 if cost and group_start + 1 + charge > step.budget - charged:
                     if group_start:  # prefill up to the group now; encode it next step, with room to charge
@@ -710,16 +758,16 @@ class Scheduler:
                     # Work bigger than the whole budget (a group, or an item without encoder chunking)
                     # may run alone in an otherwise encoder-free step.
                     alone = item_budget if not self.config.chunk_encoder else budget
-                    fits = tokens <= budget or alone == self.config.max_num_encoder_tokens
+                    fits = loaded or tokens <= budget or alone == self.config.max_num_encoder_tokens
                     # Likewise the cache: an empty cache takes anything, so no group waits forever.
                     has_room = tokens <= room or room == self.encoder_cache.capacity
                     if limited and not (fits and has_room):
                         # End before this group; 0 if the chunk starts inside it (e.g. a prefix hit).
                         return min(num_new_tokens, group_start, step.budget - charged), plan
-                    budget -= tokens
+                    budget -= 0 if loaded else tokens
                     room -= tokens
                 charged += charge
-                plan.append(EncoderGrant(mm, group, cached, charge))
+                plan.append(EncoderGrant(mm, group, cached, charge, loaded))
                 planned.add(key)
         return min(num_new_tokens, step.budget - charged), plan
 
@@ -739,14 +787,14 @@ class Scheduler:
         step.charges[request.request_id] = charge
         step.budget -= num_new_tokens + charge
         # Shares first: a new entry may evict unreferenced ones, never one this request is about to use.
-        for mm, group, cached, _ in sorted(encoder_plan, key=lambda e: not e.cached):
+        for mm, group, cached, _, loaded in sorted(encoder_plan, key=lambda e: not e.cached):
             key = (mm.mm_hash, group)
             if cached:
                 self.encoder_cache.share(request.request_id, key)
             else:
-                self.encoder_cache.add(request.request_id, key, mm.tokens_per_group)
-                step.encoder_budget -= mm.tokens_per_group
-                step.encoder_work.append(EncoderWork(mm, group))
+                self.encoder_cache.add(request.request_id, key, mm.tokens_per_group, loaded)
+                step.encoder_budget -= 0 if loaded else mm.tokens_per_group
+                step.encoder_work.append(EncoderWork(mm, group, load=loaded))
 
     def preempt(self, step: _Step, request: Request) -> None:
         """Preemption by recompute: drop the request's KV and send it back to the waiting queue; what
