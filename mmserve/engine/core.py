@@ -199,13 +199,14 @@ class EngineCore:
         self.publish_kv_events()  # an aborted grant's unwritten blocks left the cache: say so now, idle or not
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to serve, finished ones the workers have not been told of (one more step), or KV reads and
-        leases of disaggregation the workers must keep reporting on."""
-        return (
-            self._scheduler.has_unfinished_requests()
-            or self._scheduler.has_unsent_diffs()
-            or self._scheduler.has_pending_kv_transfers()
-        )
+        """Requests to serve, or finished ones the workers have not been told of (one more step)."""
+        return self._scheduler.has_unfinished_requests() or self._scheduler.has_unsent_diffs()
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Disaggregation's reads and leases the workers must keep reporting on: a serving loop steps while
+        there are any, also with no request left (a prefill instance's lease ends when a decode instance's
+        read is reported, or in time)."""
+        return self._scheduler.has_pending_kv_transfers()
 
     def step(self) -> EngineCoreOutputs:
         outputs = self._step()

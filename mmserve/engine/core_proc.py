@@ -87,7 +87,7 @@ class CoreServer:
         self._parent_sentinel = parent_sentinel
         clock = time.perf_counter
         while True:
-            busy = self.core.has_unfinished_requests()
+            busy = self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers()
             t0 = clock()
             events = dict(self.poller.poll(0 if busy else _IDLE_POLL_MS))
             t1 = clock()
@@ -108,7 +108,7 @@ class CoreServer:
                 self.core.check_health()  # a dead tensor-parallel rank ends the core, also when idle
             t2 = clock()
             self.io_s += t2 - t1
-            if self.core.has_unfinished_requests():
+            if self.core.has_unfinished_requests() or self.core.has_pending_kv_transfers():
                 step = self.core.step()
                 t3 = clock()
                 self.step_s += t3 - t2

@@ -153,7 +153,9 @@ class LLM:
                     if step.step is not None:
                         self.step_records.append(step.step)
                     # Two steps in a row with nothing running means nothing ever will: fail, don't hang.
-                    busy = step.outputs or step.stats.num_running or self.engine.has_pending_grammars()
+                    busy = step.outputs or step.stats.num_running or self.engine.has_pending_grammars() or (
+                        step.stats.num_loading_remote_kv  # a read from a prefill instance is under way
+                    )
                     idle_steps = 0 if busy else idle_steps + 1
                     if idle_steps > 1:
                         raise EngineDeadError("the scheduler admits nothing while no request runs")
