@@ -234,3 +234,21 @@ def test_kv_transfer_config_is_validated() -> None:
         KVTransferConfig(kv_connector_extra_config={"kv_lease_duration": 0})
     config = KVTransferConfig.from_json('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
     assert (config.kv_lease_duration, config.kv_load_timeout, config.backends) == (30.0, 30.0, ["UCX"])
+
+
+def test_a_request_aborted_before_its_read_tells_the_prefill_instance() -> None:
+    """vLLM's empty read: the prefill instance frees its blocks now instead of when the lease ends."""
+    sched = make()
+    sched.add_request(request("d", 10, remote(10)))
+    assert sched.finish_request("d")  # still waiting: no read began, no block held
+    plan = sched.schedule()
+    [load] = plan.kv_loads
+    assert (load.local_block_ids, load.remote_block_ids, load.remote_request_id) == ((), (), "p-1")
+    assert sched.has_pending_kv_transfers()
+    sched.update(plan, run(plan, kv_loads_done=("d",)))
+    assert not sched.has_pending_kv_transfers() and sched.kv.num_free_blocks == 32
+    # A read that failed is not followed by such a notice (policy fail).
+    sched.add_request(request("f", 10, remote(10)))
+    plan = sched.schedule()
+    sched.update(plan, run(plan, kv_loads_failed=("f",)))
+    assert not sched.schedule().kv_loads and not sched.has_pending_kv_transfers()

@@ -126,3 +126,14 @@ def test_the_side_channel_speaks_vllms_handshake() -> None:
         assert GET_META_MSG == b"get_meta_msg"
     finally:
         prefill.close()
+
+
+def test_an_empty_read_only_notifies() -> None:
+    """A decode request that ended before its read began: the prefill instance hears of it and frees."""
+    prefill, decode = worker("P", pool(1)), worker("D", pool(2))
+    try:
+        done, failed, sent, blocks = until(decode, prefill, (load(prefill, (), ()),))
+        assert (done, failed, sent, blocks) == (["d-1"], [], ["p-d-1"], 0)
+    finally:
+        decode.close()
+        prefill.close()

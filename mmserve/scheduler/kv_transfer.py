@@ -89,6 +89,15 @@ class KVTransferScheduler:
             )
         )
 
+    def release_remote(self, request: Request) -> None:
+        """The request ends before its read began: only tell the prefill instance, so it frees its blocks now
+        rather than when its lease runs out (vLLM's empty read). Kept as an orphan until that is done."""
+        params = request.sampling_params.kv_transfer
+        assert params is not None
+        self._orphans[request.request_id] = request
+        self._new_loads.append(KVLoad(request.request_id, params.remote_engine_id or "", params.remote_host or "",
+                                      params.remote_port or 0, params.remote_request_id or "", params.tp_size, (), ()))  # fmt: skip
+
     def prefill_here(self, request: Request) -> None:
         """The read failed and the policy is `recompute`: from now on this request is prefilled here."""
         self._prefill_here.add(request.request_id)

@@ -509,6 +509,7 @@ class Scheduler:
                 self.running.append(request)
                 continue
             kv.num_loads_failed += 1
+            kv.prefill_here(request)  # never read again (nor told to free: the read failed)
             if kv.config.kv_load_failure_policy == "fail":
                 request.status = RequestStatus.WAITING  # so that failing it takes it from the waiting queue
                 self._enqueue_waiting(request)
@@ -519,7 +520,6 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
                 request.status = RequestStatus.WAITING
-                kv.prefill_here(request)
                 self._enqueue_waiting(request)
         return outputs
 
@@ -839,6 +839,8 @@ class Scheduler:
             self.waiting.remove(request)
         if kv_transfer is not None and kv_transfer.orphan(request):
             pass  # a read may still write into its blocks: freed when it ends
+        elif kv_transfer is not None and request.status == RequestStatus.WAITING and kv_transfer.wants_load(request):
+            kv_transfer.release_remote(request)  # its read never began: the prefill instance may free now
         elif hand_over and kv_transfer is not None and kv_transfer.should_hold(request, status):
             handed_over = kv_transfer.hold(request, self.kv.block_ids(request.request_id))
         else:
