@@ -44,6 +44,12 @@ class _StatsCollector(Collector):
             c.add_metric([self.model], value)
             return c
 
+        def counters_by(name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=[*labels, label])
+            for value_label, value in values.items():
+                c.add_metric([self.model, value_label], value)
+            return c
+
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (0-1).", s.kv_cache_usage)
@@ -60,11 +66,9 @@ class _StatsCollector(Collector):
         )
         yield counter("encoder_tokens_loaded", "Embedding tokens loaded from an encoder instance's output "
                       "(--ec-transfer-config) instead of computed.", s.num_encoder_tokens_loaded)  # fmt: skip
-        by_class = CounterMetricFamily(P + "num_preemptions_by_class", "Preemptions by recompute, by the "
-                                       "preempted request's class.", labels=[*labels, "service_class"])  # fmt: skip
-        by_class.add_metric([self.model, "interactive"], s.num_preemptions_interactive)
-        by_class.add_metric([self.model, "batch"], s.num_preemptions_batch)
-        yield by_class
+        yield counters_by("num_preemptions_by_class", "Preemptions by recompute, by the preempted request's class.",
+                          "service_class", {"interactive": s.num_preemptions_interactive,
+                                            "batch": s.num_preemptions_batch})  # fmt: skip
         yield counter("throttled_batch_decodes", "Steps a running batch decode was skipped to protect "
                       "interactive latency (slo policy).", s.num_throttled_batch_decodes)  # fmt: skip
         yield counter("downgraded_requests", "Interactive requests admission control ran as batch "
@@ -74,11 +78,8 @@ class _StatsCollector(Collector):
         # Prefill/decode disaggregation (--kv-transfer-config): reads into this instance, leases out of it.
         yield gauge("kv_transfer_loading_requests", "Requests whose prompt KV is being read from a prefill "
                     "instance (also counted as waiting).", s.num_loading_remote_kv)  # fmt: skip
-        loads = CounterMetricFamily(P + "kv_transfer_loads", "Reads of a prefill instance's KV blocks that "
-                                    "ended, by outcome.", labels=[*labels, "outcome"])  # fmt: skip
-        loads.add_metric([self.model, "done"], s.num_kv_loads_done)
-        loads.add_metric([self.model, "failed"], s.num_kv_loads_failed)
-        yield loads
+        yield counters_by("kv_transfer_loads", "Reads of a prefill instance's KV blocks that ended, by outcome.",
+                          "outcome", {"done": s.num_kv_loads_done, "failed": s.num_kv_loads_failed})
         yield gauge("kv_transfer_leases", "Finished requests whose KV blocks wait for a decode instance "
                     "to read them.", s.num_kv_leases)  # fmt: skip
         yield counter("kv_transfer_blocks_read", "KV blocks read from prefill instances (each: every layer's "
