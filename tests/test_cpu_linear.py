@@ -6,6 +6,7 @@ paths against one on BLAS alone."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,17 +148,23 @@ def test_a_measurement_beside_other_work_is_not_cached(monkeypatch: pytest.Monke
 
 @needs_c
 def test_an_engine_on_measured_paths_matches_one_on_blas(
-    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tiny_model_dir: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Greedy output through the measured paths (mixed decode row counts as requests finish) equals BLAS's;
-    the runner hands every linear layer the same paths, measured at its start."""
+    the runner hands every linear layer the same paths, measured at its start (cached, or — measured beside
+    other work on these cores — said so and not cached)."""
     monkeypatch.setenv("MMSERVE_KERNEL_CACHE", str(tmp_path))
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 3 * i))} for i in range(6)]
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
     outputs = {}
+    caplog.set_level(logging.WARNING, logger=cpu_linear.__name__)
     for setting in ("mm_t", "auto", "c"):
         monkeypatch.setenv(cpu_linear.ENV, setting)
         with LLM(tiny_model_dir("qwen2"), num_kv_blocks=64) as llm:
             outputs[setting] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outputs["auto"] == outputs["mm_t"] == outputs["c"]
-    assert (tmp_path / "cpu-linear-paths.json").exists() or not C_KERNEL
+    unstable = "measured beside other work" in caplog.text
+    assert (tmp_path / "cpu-linear-paths.json").exists() != unstable
