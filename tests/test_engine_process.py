@@ -120,6 +120,7 @@ def test_every_output_message_round_trips() -> None:
         StepOutputs(outputs),
         StepOutputs(EngineCoreOutputs((), stats)),
         RequestRejected("r", "PromptTooLongError", "too long", "prompt"),
+        RequestRejected("s", "SloInfeasibleError", "later", None, 7.5),  # Retry-After crosses too
         UtilityResult(3, {"requests": 0}),
         UtilityResult(4, error="ValueError: x"),
     ]:

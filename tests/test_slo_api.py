@@ -277,6 +277,7 @@ def test_infeasible_is_a_429_with_openai_shape() -> None:
     assert json.loads(err.response().body)["error"]["message"] == "cannot meet it"
     assert err.headers == {"Retry-After": "1"}
     assert from_engine_error(SloInfeasibleError("later", retry_after_s=7.2)).headers == {"Retry-After": "8"}
+    assert from_engine_error(SloInfeasibleError("never", retry_after_s=None)).headers is None  # no retry would do
 
 
 def test_serve_flags_reach_engine_args() -> None:
@@ -314,12 +315,11 @@ def test_step_time_model_path_is_checked_at_start(tmp_path: Path) -> None:
     assert config.step_time_model == str(good)
 
 
-def test_admission_reject_is_a_429_with_retry_after_through_the_api(
-    tiny_model_dir: Callable[[str], Path], tmp_path: Path
-) -> None:
-    """`--slo-admission reject` on a real server: a chat whose TTFT target cannot be met (1 µs) is refused
-    with 429, Retry-After and code slo_infeasible before anything is queued; the others are served, and
-    /metrics counts the refusal and shows the online step-time model's record."""
+def test_admission_reject_is_a_429_through_the_api(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    """`--slo-admission reject` on a real server (the engine core in its own process): a chat whose TTFT
+    target cannot be met even alone (1 µs) is refused with 429 and code slo_infeasible before anything is
+    queued, and without Retry-After, since no retry could succeed; the others are served, and /metrics
+    counts the refusal and shows the online step-time model's record."""
     engine = slo_engine(tiny_model_dir("qwen2_vl"), "reject", num_kv_blocks=64)
     settings = ServerSettings(data_dir=tmp_path, served_model_name="tiny")
     live = ServerThread(lambda: create_app(engine, settings))
@@ -328,9 +328,10 @@ def test_admission_reject_is_a_429_with_retry_after_through_the_api(
             assert client.post("/v1/chat/completions", json=body()).status_code == 200
             r = client.post("/v1/chat/completions", json=body(slo={"ttft_ms": 0.001}))
             assert r.status_code == 429, r.text
-            assert int(r.headers["Retry-After"]) >= 1
+            assert "Retry-After" not in r.headers
             error = r.json()["error"]
             assert error["code"] == "slo_infeasible" and error["param"] == "slo"
+            assert "even on an idle engine" in error["message"]
             assert client.post("/v1/chat/completions", json=body()).status_code == 200  # still serving
             assert metric(client, "rejected_requests_total") == 1
             assert metric(client, "step_time_observations_total") >= 2

@@ -13,7 +13,7 @@ from mmserve.config import SchedulerConfig
 from mmserve.errors import InvalidRequestError
 from mmserve.request import SLO, SamplingParams, ServiceClass
 from mmserve.scheduler.output import SchedulerOutput
-from mmserve.scheduler.scheduler import Scheduler
+from mmserve.scheduler.scheduler import Scheduler, _Step
 from mmserve.scheduler.slo import SloInfeasibleError
 from mmserve.scheduler.step_time import StepFeatures
 
@@ -313,9 +313,15 @@ def test_admission_control_downgrades_or_rejects_chats_that_cannot_make_their_tt
     assert down.stats().num_downgraded_requests == 2
 
     reject = make_scheduler("slo", clock, admission_control="reject")
-    with pytest.raises(SloInfeasibleError, match="time-to-first-token"):
+    with pytest.raises(SloInfeasibleError, match="at the current load") as refused:
         load(reject)
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1.0  # once c0 is done
     assert list(reject.requests) == ["c0"]  # the refused request was never queued
+    # A prompt whose own prefill outlasts its target: refused with no time to retry after.
+    alone = make_scheduler("slo", clock, admission_control="reject")
+    with pytest.raises(SloInfeasibleError, match="even on an idle engine") as never:
+        alone.add_request(request("long", 0.0, 1000, 4, slo=SLO(ttft_ms=1.0, tbt_ms=None)))
+    assert never.value.retry_after_s is None and not alone.requests
     reject.add_request(request("batch", 0.0, 1000, 4, "batch", first_token_id=99_999))  # batch: no check
 
 
@@ -331,3 +337,24 @@ def test_the_scheduler_takes_time_from_its_clock() -> None:
     (out,) = sched.update(plan, fake_run(plan))
     assert r.last_token_time == 124.0 and out.first_scheduled_time == 123.0
     assert math.isinf(make_scheduler("slo", clock).slo.last_time_limit)  # type: ignore[union-attr]
+
+
+def test_a_preempted_prefill_no_longer_counts_as_the_steps_served_prefill() -> None:
+    """The step's first prefill gets a floor share of its time; if that prefill is preempted in the same
+    step, the floor goes to the next one (its grant, cost and budget all returned)."""
+    clock = VirtualClock()
+    sched = make_scheduler("fcfs", clock, max_step_ms=250.0)
+    sched.add_request(request("d", 0.0, 8, 4))
+    sched.add_request(request("a", 0.0, 2000, 4, first_token_id=10_000))
+    step(sched, clock)
+    a, d = sched.requests["a"], sched.requests["d"]
+    assert not a.is_decoding and a.num_computed_tokens > 0 and d.is_decoding  # a mid-prefill, d decoding
+    plan = _Step(budget=512, encoder_budget=256)
+    sched.grant(plan, d, 1, [])
+    assert not plan.prefill_served  # a decode is not a prefill
+    seconds_left = plan.seconds_left
+    sched.grant(plan, a, 16, [])
+    assert plan.prefill_served
+    sched.preempt(plan, a)
+    assert not plan.prefill_served and "a" not in plan.grants
+    assert plan.budget == 511 and plan.seconds_left == seconds_left

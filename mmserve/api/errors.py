@@ -73,9 +73,9 @@ def from_engine_error(exc: BaseException) -> APIError:
         message = str(exc)
         code = next((c for limit, c in _LIMIT_CODES if limit in message), "invalid_request_error")
         return APIError(400, message, code=code, param=exc.param)
-    if isinstance(exc, SloInfeasibleError):  # admission control "reject": its TTFT cannot be met now
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return APIError(429, str(exc), code="slo_infeasible", param="slo", headers={"Retry-After": retry})
+    if isinstance(exc, SloInfeasibleError):  # admission control "reject": its TTFT cannot be met now (or ever)
+        retry = None if exc.retry_after_s is None else {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return APIError(429, str(exc), code="slo_infeasible", param="slo", headers=retry)
     if isinstance(exc, QueueFullError):
         retry = str(max(1, math.ceil(exc.retry_after)))
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry})

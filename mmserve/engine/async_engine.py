@@ -399,6 +399,8 @@ class AsyncEngine:
             error: BaseException = RequestFailedError("the request failed inside the engine")
         elif issubclass(cls, InvalidRequestError):
             error = cls(message.message, param=message.param)
+        elif cls is SloInfeasibleError:
+            error = SloInfeasibleError(message.message, retry_after_s=message.retry_after_s)
         else:
             error = cls(message.message)
         self._emit(message.request_id, error, last=True)

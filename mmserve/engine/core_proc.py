@@ -41,6 +41,7 @@ from mmserve.engine.wire import (
 )
 from mmserve.errors import InvalidRequestError, MMServeError
 from mmserve.request import RequestStatus
+from mmserve.scheduler.slo import SloInfeasibleError
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,8 @@ class CoreServer:
                 self.core.add_request(request)
             except MMServeError as exc:
                 param = exc.param if isinstance(exc, InvalidRequestError) else None
-                self._send(client, RequestRejected(request_id, type(exc).__name__, str(exc), param))
+                retry_after_s = exc.retry_after_s if isinstance(exc, SloInfeasibleError) else None
+                self._send(client, RequestRejected(request_id, type(exc).__name__, str(exc), param, retry_after_s))
                 return
             except Exception:  # a malformed message: this request only (the detail stays in this log)
                 logger.exception("request %s could not be added", request_id)

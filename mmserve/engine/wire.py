@@ -95,7 +95,8 @@ class RequestRejected(msgspec.Struct, tag="rejected"):
     request_id: str
     error_type: str  # a class name of `REJECTIONS`
     message: str
-    param: str | None = None
+    param: str | None = None  # InvalidRequestError's
+    retry_after_s: float | None = None  # SloInfeasibleError's (None: no retry can succeed)
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result"):

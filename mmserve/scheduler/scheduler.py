@@ -801,6 +801,9 @@ class Scheduler:
         this step had granted it returns to the budget."""
         step.budget += step.grants.pop(request.request_id, 0) + step.charges.pop(request.request_id, 0)
         step.seconds_left += step.costs.pop(request.request_id, 0.0)
+        # A preempted prefill's grant no longer counts: the next prefill gets the floor share again.
+        # (Grants advance num_computed_tokens only when the plan is built, so is_decoding is still exact.)
+        step.prefill_served = any(not self.requests[rid].is_decoding for rid in step.grants)
         step.releases.append((request.request_id, None))
         self._sent.pop(request.request_id, None)
         self.running.remove(request)

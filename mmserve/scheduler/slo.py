@@ -25,9 +25,11 @@ _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 class SloInfeasibleError(MMServeError):
     """Admission control in "reject" mode: the request's TTFT target cannot be met at the current
     load. `Scheduler.add_request` raises it before the request is queued; the API answers 429 with
-    Retry-After: `retry_after_s`, the predicted time until the interactive work queued ahead drains."""
+    Retry-After: `retry_after_s`, the predicted time until the interactive work queued ahead drains — or
+    without one (`retry_after_s` None) when its own prefill alone cannot meet the target, so a retry never
+    would."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float | None = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
@@ -228,10 +230,17 @@ class SloPlanner:
             for r in self.sched.requests.values()
             if r.service_class == INTERACTIVE and r.num_output_tokens == 0 and self.deadline(r) <= due
         )
-        if now + ahead + factor * self.remaining_prefill_s(request) <= due:
+        own = factor * self.remaining_prefill_s(request)
+        if now + ahead + own <= due:
             return
         if mode == "reject":
             self.counters.rejected += 1
+            if now + own > due:  # alone on an idle engine it would still be late: no retry can succeed
+                raise SloInfeasibleError(
+                    f"the request's time-to-first-token target cannot be met even on an idle engine "
+                    f"(predicted {1e3 * (now + own - request.arrival_time):.0f} ms to its first token)",
+                    retry_after_s=None,
+                )
             raise SloInfeasibleError(
                 f"the request's time-to-first-token target cannot be met at the current load "
                 f"(predicted {1e3 * (now + ahead - request.arrival_time):.0f} ms of queued work ahead of it)",
