@@ -282,7 +282,7 @@ EC_ROLES = ("ec_producer", "ec_consumer")
 class ECTransferConfig:
     """Encoder disaggregation (vLLM's `--ec-transfer-config`, the same JSON keys) over a shared directory
     (vLLM's "ECExampleConnector"): an `ec_producer` (encoder) instance stores every temporal group it encodes
-    under `kv_connector_extra_config.shared_storage_path`, keyed by `mm_hash` and group; an `ec_consumer`
+    under `ec_connector_extra_config.shared_storage_path`, keyed by `mm_hash` and group; an `ec_consumer`
     (prefill) instance loads a stored group into its encoder cache instead of running its vision tower."""
 
     ec_connector: str = "ECExampleConnector"

@@ -178,6 +178,19 @@ def test_sweep_ladder_goes_up_until_all_miss_or_down_until_one_meets() -> None:
     assert run(1.0, 3.0) == [1.0, 1.5, 2.25, 3.38]  # up until every policy missed
     assert run(4.0, 2.0) == [4.0, 2.67, 1.78]  # none met at the start: down until one did
     assert run(1.0, 100.0, max_loads=3) == [1.0, 1.5, 2.25]
+
+    def run_sparse(start: float, first_chat_at: float) -> list[float]:  # no chat below `first_chat_at`
+        met: list[bool | None] = []
+        loads = []
+        for load in load_ladder(MixConfig(), SweepConfig(start_load=start, max_loads=8), start, met):
+            loads.append(load)
+            met.append(None if load < first_chat_at else False)  # every policy missed where chats came
+        return loads
+
+    # Down from a rate every policy missed: a rate where no chat came shows nothing and ends the ladder
+    # (it used to count as met and bracket a capacity that was never measured).
+    assert run_sparse(4.0, 3.0) == [4.0, 2.67]
+    assert run_sparse(0.5, 0.6) == [0.5, 0.75]  # none at the start: up, to where chats arrive (and all miss)
     assert list(load_ladder(MixConfig(loads=(0.5, 2.0)), None, 0.5, [])) == [0.5, 2.0]
 
 
@@ -185,7 +198,9 @@ def test_capacity_is_interpolated_in_log_rate() -> None:
     # Attainment 1.0 at 2/s, 0.8 at 8/s: the 0.9 crossing is halfway in log rate, at 4/s.
     assert capacity_at([1.0, 2.0, 8.0], [1.0, 1.0, 0.8], 0.9) == (pytest.approx(4.0), "interpolated")
     assert capacity_at([1.0, 2.0], [0.5, 0.95], 0.9) == (1.0, "below")  # the first rate missed already
-    assert capacity_at([1.0, 2.0], [0.95, None], 0.9) == (2.0, "at least")  # no chats arrived: none missed
+    assert capacity_at([1.0, 2.0], [0.95, None], 0.9) == (1.0, "at least")  # no chat at 2/s: it shows nothing
+    assert capacity_at([1.0, 2.0, 4.0], [None, 0.5, 0.4], 0.9) == (2.0, "below")
+    assert capacity_at([1.0, 2.0], [None, None], 0.9) == (None, "unmeasured")
     # A later recovery does not move the first crossing.
     assert capacity_at([1.0, 2.0, 4.0], [0.9, 0.6, 0.95], 0.9)[0] == pytest.approx(1.0)
 

@@ -56,8 +56,9 @@ def phase_metrics(pairs: list[tuple[Request, RequestTiming]], duration_s: float,
 
 
 def meets_bar(attainment: float | None, bar: float) -> bool:
-    """Whether a phase's chat attainment reaches `bar`; None (no chat arrived) misses nothing."""
-    return (1.0 if attainment is None else attainment) >= bar
+    """Whether a phase's chat attainment reaches `bar`; None (no chat arrived) shows nothing either way, so it
+    does not count as met (a sweep stepping down must not stop at a rate where no chat came)."""
+    return attainment is not None and attainment >= bar
 
 
 @dataclass(frozen=True)
@@ -116,14 +117,18 @@ def calibrate(model: Path, cfg: MixConfig, tokenizer: Any | None, progress: bool
 
 def load_ladder(cfg: MixConfig, sweep: SweepConfig | None, start: float, met: list[bool]) -> Iterator[float]:
     """`cfg.loads`; with `sweep`, rates from `start` up by its factor while some policy meets the bar, or,
-    if none met it at `start`, down until one does. `met[-1]`: whether some policy met it at the last rate."""
+    if none met it at `start`, down until one does. `met[-1]`: whether some policy met it at the last rate
+    (None: no chat arrived there; going down it ends the ladder, since lower rates bring fewer still)."""
     if sweep is None:
         yield from cfg.loads
         return
     load, step = start, sweep.factor
     for k in range(sweep.max_loads):
         yield float(f"{load:.3g}")
-        if k == 0 and not met[-1]:
+        if met[-1] is None:
+            if step < 1.0:
+                return
+        elif k == 0 and not met[-1]:
             step = 1.0 / sweep.factor
         elif (step > 1.0) != met[-1]:  # up and every policy missed, or down and one met: bracketed
             return
@@ -152,7 +157,7 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
                   f"{cfg.tbt_ms:g} ms, {cfg.num_batch} batch jobs per load", flush=True)  # fmt: skip
     phases: dict[str, dict[str, int]] = {}  # load -> its requests of each kind
     results: dict[str, dict[str, dict]] = {policy: {} for policy in cfg.policies}  # policy -> load -> figures
-    met: list[bool] = []
+    met: list[bool | None] = []
     with contextlib.ExitStack() as stack:  # every policy's server, up (and warm) for the whole run
         urls = {p: stack.enter_context(contextlib.closing(InProcessServer(model, **cfg.engine_kwargs(p)))).url
                 for p in cfg.policies}  # fmt: skip
@@ -173,19 +178,23 @@ def bench_slo_mix(model: Path, cfg: MixConfig, progress: bool = True, sweep: Swe
                           f"{_ms(i, 'tpot', 'median', 'p99')} ms; batch {b['throughput_tok_s']:.0f} tok/s, "
                           f"TTFT p50 {_ms(b, 'ttft', 'median')} ms", flush=True)  # fmt: skip
             attainments = [by_load[key][INTERACTIVE]["slo_attainment"] for by_load in results.values()]
-            met.append(sweep is not None and any(meets_bar(a, sweep.attainment) for a in attainments))
+            chats = [a for a in attainments if a is not None]
+            met.append(None if not chats else sweep is not None and any(meets_bar(a, sweep.attainment) for a in chats))
     report = {"config": {**asdict(cfg), "model": str(model), "workload": "slo-mix"}, "phases": phases,
               "results": results}  # fmt: skip
     return report if sweep is None else report | {"sweep": sweep_summary(results, sweep, calibration)}
 
 
-def capacity_at(loads: list[float], attainments: list[float | None], bar: float) -> tuple[float, str]:
+def capacity_at(loads: list[float], attainments: list[float | None], bar: float) -> tuple[float | None, str]:
     """The chat rate where attainment first falls below `bar`, interpolated in log(rate) between the last
     rate that met it and the first that did not. Returns (rate, bound): bound "interpolated"; "below" (the
-    first rate already missed: capacity < rate) or "at least" (no rate missed: capacity >= the last)."""
+    first rate already missed: capacity < rate); "at least" (no rate missed: capacity >= the last); or
+    (None, "unmeasured") when no chat arrived at any rate. Rates where no chat arrived are skipped."""
+    measured = [(load, a) for load, a in zip(loads, attainments, strict=True) if a is not None]
+    if not measured:
+        return None, "unmeasured"
     prev: tuple[float, float] | None = None
-    for load, attainment in zip(loads, attainments, strict=True):
-        a = 1.0 if attainment is None else attainment  # no chats arrived: none missed
+    for load, a in measured:
         if not meets_bar(a, bar):
             if prev is None:
                 return load, "below"
@@ -193,7 +202,7 @@ def capacity_at(loads: list[float], attainments: list[float | None], bar: float)
             frac = (a_lo - bar) / (a_lo - a)
             return math.exp(math.log(lo) + frac * (math.log(load) - math.log(lo))), "interpolated"
         prev = (load, a)
-    return loads[-1], "at least"
+    return measured[-1][0], "at least"
 
 
 def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calibration: Calibration | None) -> dict:
@@ -216,7 +225,7 @@ def sweep_summary(results: dict[str, dict[str, dict]], sweep: SweepConfig, calib
             goodput, batch = ({x: ratio(by_load[x][c][k], fcfs[x][c][k]) for x in loads}
                               for c, k in ((INTERACTIVE, "goodput_rps"), (BATCH, "throughput_tok_s")))  # fmt: skip
             fcfs_rate, fcfs_bound = capacities["fcfs"]
-            known = bound != "below" and fcfs_bound == "interpolated"
+            known = rate is not None and bound != "below" and fcfs_bound == "interpolated"
             entry |= {"goodput_vs_fcfs": goodput,
                       "batch_throughput_vs_fcfs": batch,
                       "batch_throughput_vs_fcfs_at_capacity": batch[met[-1]] if met else None,
@@ -259,9 +268,10 @@ def format_sweep(sweep: dict) -> str:
     """The capacity table of a `--sweep`: one row per policy."""
     rows = []
     for policy, e in sweep["policies"].items():
-        bound = {"below": "< ", "at least": ">= ", "interpolated": ""}[e["capacity_bound"]]
+        bound = {"below": "< ", "at least": ">= ", "interpolated": ""}.get(e["capacity_bound"])
+        capacity = "no chat arrived" if bound is None else bound + f"{e['capacity_rps']:.3g}"
         goodput = [r for r in e.get("goodput_vs_fcfs", {}).values() if r is not None]
-        rows.append((policy, bound + f"{e['capacity_rps']:.3g}", num(e.get("capacity_vs_fcfs"), ".2f"),
+        rows.append((policy, capacity, num(e.get("capacity_vs_fcfs"), ".2f"),
                      num(min(goodput, default=None), ".2f"), num(e.get("batch_throughput_vs_fcfs_at_capacity"), ".2f")))
     loads = ", ".join(f"{x:g}" for x in sweep["loads"])
     title = f"capacity at {100 * sweep['attainment_bar']:.0f}% chat SLO attainment (chat rates {loads})"
