@@ -85,8 +85,8 @@ def make_app(state: StubState, api_key: str | None = None) -> Starlette:
         text = _last_text(body.get("messages", []))
         state.attempts[text] += 1
         if text.startswith("error:"):
-            _, status, code = text.split(":")
-            extra = {"Retry-After": "2"} if status in ("429", "503") else None
+            _, status, code, *flags = text.split(":")  # flag "never": no Retry-After (no retry would succeed)
+            extra = {"Retry-After": "2"} if status in ("429", "503") and "never" not in flags else None
             return _error(int(status), f"stub error {status}", code or None, extra)
         if text.startswith("flaky503:") and state.attempts[text] == 1:
             return _error(503, "queue full", "queue_full", {"Retry-After": "2"})

@@ -208,6 +208,13 @@ def test_retries_stop_at_max_retries(client: Client, stub: StubServer, sleeps: l
     with pytest.raises(BadRequestError):  # 4xx other than 408/429: never retried
         client.chat.completions.create(messages=_msg("error:400:bad_once"))
     assert stub.state.attempts["error:400:bad_once"] == 1
+    # Admission control's refusal: retried while the server names a time, never when it names none.
+    with pytest.raises(RateLimitError) as later:
+        client.chat.completions.create(messages=_msg("error:429:slo_infeasible"))
+    assert later.value.code == "slo_infeasible" and stub.state.attempts["error:429:slo_infeasible"] == 3
+    with pytest.raises(RateLimitError) as never:
+        client.chat.completions.create(messages=_msg("error:429:slo_infeasible:never"))
+    assert never.value.retry_after is None and stub.state.attempts["error:429:slo_infeasible:never"] == 1
 
 
 def test_backoff_is_capped_and_jittered() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from mmserve.client.errors import APIConnectionError, APIError, APITimeoutError, status_error
+from mmserve.client.errors import APIConnectionError, APIError, APIStatusError, APITimeoutError, status_error
 
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 DEFAULT_MAX_RETRIES = 2
@@ -38,8 +38,12 @@ def normalize_base_url(base_url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def should_retry_status(status_code: int) -> bool:
-    return status_code in (408, 429) or status_code >= 500
+def should_retry(err: APIStatusError) -> bool:
+    """408, 429 and 5xx are retried, except a 429 the server sent without `Retry-After` because no retry
+    could succeed (admission control's `slo_infeasible` for a target the request cannot meet even alone)."""
+    if err.status_code == 429 and err.code == "slo_infeasible" and err.retry_after is None:
+        return False
+    return err.status_code in (408, 429) or err.status_code >= 500
 
 
 def retry_delay(attempt: int, retry_after: float | None) -> float:
@@ -159,7 +163,7 @@ class SyncTransport(_TransportBase):
                 body = response.read()
                 response.close()
                 err = cause = status_error(response.status_code, body, response.headers, response)
-                if not should_retry_status(response.status_code):
+                if not should_retry(err):
                     raise err
             if attempt >= self.max_retries:
                 raise err from (cause if cause is not err else None)
@@ -212,7 +216,7 @@ class AsyncTransport(_TransportBase):
                 body = await response.aread()
                 await response.aclose()
                 err = cause = status_error(response.status_code, body, response.headers, response)
-                if not should_retry_status(response.status_code):
+                if not should_retry(err):
                     raise err
             if attempt >= self.max_retries:
                 raise err from (cause if cause is not err else None)
