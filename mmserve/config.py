@@ -189,7 +189,10 @@ class KVTransferConfig:
     - `kv_lease_duration`: seconds a prefill instance keeps a finished request's blocks for a decode instance
       that never reads them (30);
     - `kv_load_timeout`: seconds a decode instance waits for a handshake and read before the failure policy (30);
-    - `backends`: NIXL backends (["UCX"]).
+    - `backends`: NIXL backends (["UCX"]);
+    - `progress_thread`: whether NIXL runs its own progress thread (mmserve's key). Default: on for a GPU KV pool,
+      off for a CPU one, whose engine steps drive the transfers instead: UCX's progress thread polls without
+      pause and would take a core from the engine that shares the machine with it.
     """
 
     kv_connector: str = "NixlConnector"
@@ -219,7 +222,8 @@ class KVTransferConfig:
         extra = self.kv_connector_extra_config
         if not isinstance(extra, dict):
             raise bad("kv_connector_extra_config", "must be an object")
-        known = {"side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "backends"}
+        known = {"side_channel_host", "side_channel_port", "kv_lease_duration", "kv_load_timeout", "backends",
+                 "progress_thread"}  # fmt: skip
         unknown = sorted(set(extra) - known)
         if unknown:
             raise bad("kv_connector_extra_config", f"unknown field(s) {', '.join(unknown)}")
@@ -230,6 +234,9 @@ class KVTransferConfig:
             value = extra.get(name, 30.0)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise bad(f"kv_connector_extra_config.{name}", f"must be a number of seconds > 0, got {value!r}")
+        if extra.get("progress_thread") not in (None, True, False):
+            raise bad("kv_connector_extra_config.progress_thread", f"must be true or false, got "
+                      f"{extra['progress_thread']!r}")  # fmt: skip
         backends = self.backends
         if not (isinstance(backends, list) and backends and all(isinstance(b, str) for b in backends)):
             raise bad("kv_connector_extra_config.backends", f"must be a list of NIXL backend names, got {backends!r}")
@@ -258,6 +265,11 @@ class KVTransferConfig:
     @property
     def backends(self) -> list[str]:
         return self.kv_connector_extra_config.get("backends", ["UCX"])  # type: ignore[return-value]
+
+    @property
+    def progress_thread(self) -> bool | None:
+        """None: decided by where the KV pool is (on for a GPU, off for the CPU)."""
+        return self.kv_connector_extra_config.get("progress_thread")  # type: ignore[return-value]
 
     @property
     def is_producer(self) -> bool:

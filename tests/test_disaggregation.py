@@ -214,7 +214,35 @@ def run_core(core: Any, request: Any, timeout_s: float = 60.0) -> list[Any]:
     return outputs
 
 
-def test_a_prefill_instance_killed_before_the_read(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_encoder_instance_feeds_the_prefill_instance(
+    pd: tuple[ServerProcess, ServerProcess, PDRouterProcess], model: Path, encoder_outputs: Path
+) -> None:
+    """E/P/D: the encoder instance encodes the image and stores it; the prefill instance loads it instead of
+    running its tower; the decode instance reads the KV. The answer is the colocated one."""
+    prefill, decode, router = pd
+    encoder = ServerProcess(model, served_model_name=MODEL, extra_args=(*ec_transfer_config("ec_producer",
+                            encoder_outputs), "--num-kv-blocks", "8", "--decode-workers", "1"))  # fmt: skip
+    try:
+        image = {"type": "image_url", "image_url": {"url": data_url(ASSETS / "easy-vqa-test-2.png", "image/png")}}
+        body = chat([image, {"type": "text", "text": "Which shape is this?"}], max_tokens=8)
+        reference = text_of(complete(decode.url, body))  # the decode instance alone encodes it itself
+        encoded = complete(encoder.url, {**body, "max_tokens": 1})  # what a proxy sends an encoder instance
+        assert encoded["usage"]["completion_tokens"] == 0 and text_of(encoded) == ""
+        assert metric(encoder.url, "encoder_tokens_total") > 0
+        assert len(list(encoder_outputs.glob("*.safetensors"))) == 1
+        computed = metric(prefill.url, "encoder_tokens_total")
+        loaded = metric(prefill.url, "encoder_tokens_loaded_total")
+        assert text_of(complete(router.url, body)) == reference
+        assert metric(prefill.url, "encoder_tokens_total") == computed  # its tower did not run
+        assert metric(prefill.url, "encoder_tokens_loaded_total") - loaded == metric(encoder.url, "encoder_tokens_total")
+    finally:
+        encoder.close()
+
+
+# Last in the module: it kills the shared prefill instance (pytest runs a module's tests in file order).
+def test_a_prefill_instance_killed_before_the_read(
+    pd: tuple[ServerProcess, ServerProcess, PDRouterProcess], model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`fail`: a clean error; `recompute`: the decode instance prefills it itself, with the colocated output.
     Nothing leaks on the decode side either way."""
     import psutil
@@ -223,7 +251,7 @@ def test_a_prefill_instance_killed_before_the_read(model: Path, monkeypatch: pyt
     from mmserve.engine.core import EngineCore
     from mmserve.request import Request, SamplingParams
 
-    prefill = start_instance(model, "kv_producer")
+    prefill = pd[0]
     try:
         prompts = {"fail": list(range(40, 90)), "recompute": list(range(90, 140))}
         answers = {}
@@ -262,28 +290,3 @@ def test_a_prefill_instance_killed_before_the_read(model: Path, monkeypatch: pyt
             assert not any(core.leak_report().values()), core.leak_report()
         finally:
             core.close()
-
-
-def test_an_encoder_instance_feeds_the_prefill_instance(
-    pd: tuple[ServerProcess, ServerProcess, PDRouterProcess], model: Path, encoder_outputs: Path
-) -> None:
-    """E/P/D: the encoder instance encodes the image and stores it; the prefill instance loads it instead of
-    running its tower; the decode instance reads the KV. The answer is the colocated one."""
-    prefill, decode, router = pd
-    encoder = ServerProcess(model, served_model_name=MODEL, extra_args=(*ec_transfer_config("ec_producer",
-                            encoder_outputs), "--num-kv-blocks", "8", "--decode-workers", "1"))  # fmt: skip
-    try:
-        image = {"type": "image_url", "image_url": {"url": data_url(ASSETS / "easy-vqa-test-2.png", "image/png")}}
-        body = chat([image, {"type": "text", "text": "Which shape is this?"}], max_tokens=8)
-        reference = text_of(complete(decode.url, body))  # the decode instance alone encodes it itself
-        encoded = complete(encoder.url, {**body, "max_tokens": 1})  # what a proxy sends an encoder instance
-        assert encoded["usage"]["completion_tokens"] == 0 and text_of(encoded) == ""
-        assert metric(encoder.url, "encoder_tokens_total") > 0
-        assert len(list(encoder_outputs.glob("*.safetensors"))) == 1
-        computed = metric(prefill.url, "encoder_tokens_total")
-        loaded = metric(prefill.url, "encoder_tokens_loaded_total")
-        assert text_of(complete(router.url, body)) == reference
-        assert metric(prefill.url, "encoder_tokens_total") == computed  # its tower did not run
-        assert metric(prefill.url, "encoder_tokens_loaded_total") - loaded == metric(encoder.url, "encoder_tokens_total")
-    finally:
-        encoder.close()

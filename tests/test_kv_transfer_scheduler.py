@@ -232,8 +232,11 @@ def test_kv_transfer_config_is_validated() -> None:
         KVTransferConfig.from_json('{"kv_connector": "NixlConnector", "kv_ip": "1.2.3.4"}')
     with pytest.raises(InvalidRequestError, match="kv_lease_duration"):
         KVTransferConfig(kv_connector_extra_config={"kv_lease_duration": 0})
+    with pytest.raises(InvalidRequestError, match="progress_thread"):
+        KVTransferConfig(kv_connector_extra_config={"progress_thread": "yes"})
     config = KVTransferConfig.from_json('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
     assert (config.kv_lease_duration, config.kv_load_timeout, config.backends) == (30.0, 30.0, ["UCX"])
+    assert config.progress_thread is None  # where the KV pool is decides
 
 
 def test_a_request_aborted_before_its_read_tells_the_prefill_instance() -> None:

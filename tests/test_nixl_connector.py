@@ -33,10 +33,11 @@ def pool(seed: int, block_size: int = BLOCK) -> list[torch.Tensor]:
     return [torch.randn(2, NUM_BLOCKS, block_size, HEADS, DIM, generator=g) for _ in range(NUM_LAYERS)]
 
 
-def worker(name: str, caches: list[torch.Tensor], block_size: int = BLOCK, timeout_s: float = 5.0) -> NixlKVWorker:
+def worker(name: str, caches: list[torch.Tensor], block_size: int = BLOCK, timeout_s: float = 5.0,
+           **extra: object) -> NixlKVWorker:  # fmt: skip
     config = KVTransferConfig(kv_connector_extra_config={"side_channel_host": "127.0.0.1",
                                                          "side_channel_port": free_port(),
-                                                         "kv_load_timeout": timeout_s})  # fmt: skip
+                                                         "kv_load_timeout": timeout_s, **extra})  # fmt: skip
     return NixlKVWorker(caches, block_size, name, config)
 
 
@@ -137,3 +138,23 @@ def test_an_empty_read_only_notifies() -> None:
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.parametrize("progress_thread", [None, True])
+def test_a_cpu_pool_has_no_progress_thread_polling_by_default(
+    progress_thread: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UCX's progress thread polls without pause: beside an engine on the same cores it takes one of them, also
+    while nothing moves. A CPU pool's transfers advance in the engine's steps instead (the reads above), unless
+    the config asks for the thread. Measured as this process's CPU time while it sleeps."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    extra = {} if progress_thread is None else {"progress_thread": progress_thread}
+    idle = worker("P", pool(1), **extra)
+    try:
+        time.sleep(0.2)  # the agent's threads settle
+        cpu = time.process_time()
+        time.sleep(1.0)
+        busy = time.process_time() - cpu
+        assert (busy > 0.5) == bool(progress_thread), f"{busy:.2f} s of CPU in 1 s asleep"
+    finally:
+        idle.close()

@@ -160,7 +160,11 @@ class NixlKVWorker:
         regions = [cache[kv] for cache in kv_caches for kv in (0, 1)]  # each [num_blocks, block_size, heads, dim]
         assert all(r.is_contiguous() for r in regions)
         self.base_addrs = [r.data_ptr() for r in regions]
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=config.backends))
+        # Without a progress thread the transfers advance when `step` polls them (each engine step; a core
+        # with reads or leases pending keeps stepping), both for this instance's reads and for reads of it.
+        progress_thread = first.is_cuda if config.progress_thread is None else config.progress_thread
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                             backends=config.backends))  # fmt: skip
         self._registered = self.agent.register_memory(
             [(r.data_ptr(), r.numel() * r.element_size(), self.device_id, "") for r in regions], self.mem_type
         )
