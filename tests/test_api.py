@@ -289,6 +289,10 @@ def test_websocket_interleaved_responses_cancel_and_close(server: ServerThread, 
         assert [e["type"] for e in events] == ["response.created", "error", "response.done"]
         assert events[1]["error"]["code"] == "prompt_too_long" and events[1]["event_id"] == "e2"
         assert events[2]["response"]["status"] == "failed"
+        ws.send(json.dumps({"type": "response.create", "response": {**short, "kv_transfer_params": {
+                            "do_remote_prefill": True}}}))  # fmt: skip
+        events = [ws_recv(ws) for _ in range(3)]
+        assert events[1]["error"]["param"] == "kv_transfer_params" and events[2]["response"]["status"] == "failed"
         text, final = ws_run(ws, short)
         assert final["status"] == "incomplete" and text == deltas["b"]
 

@@ -89,6 +89,28 @@ def test_a_read_copies_exactly_the_chosen_blocks_and_notifies(ucx: str) -> None:
         prefill.close()
 
 
+def test_a_prefill_instance_busy_in_a_long_step_still_serves_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP each end must progress for a READ to move. The prefill side steps once (its scheduler says a
+    lease is open) and then not again, as in a long forward: its progress thread serves the read, and the
+    notification it heard meanwhile is reported by its next step."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    p_caches, d_caches = pool(1), pool(2)
+    prefill, decode = worker("P", p_caches), worker("D", d_caches)
+    try:
+        prefill.step((), transfers_pending=True)
+        report = decode.step((load(prefill, (0, 1, 2), (7, 6, 5)),))
+        deadline = time.monotonic() + 20
+        while not (report.done or report.failed) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            report = decode.step(())
+        assert report.done == ("d-1",)
+        assert torch.equal(d_caches[1][1, :3], p_caches[1][1, [7, 6, 5]])
+        assert prefill.step((), transfers_pending=False).sent == ("p-d-1",)
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_a_handshake_with_another_block_size_is_refused() -> None:
     prefill, decode = worker("P", pool(1, block_size=8), block_size=8), worker("D", pool(2))
     try:

@@ -156,6 +156,10 @@ class _Session:
                 raise asyncio.CancelledError
             fields = event.response
             refuse_unsupported(fields)
+            if fields.kv_transfer_params is not None:  # a router or proxy speaks it over HTTP, never here
+                raise APIError(400, "kv_transfer_params: prefill/decode disaggregation is served over HTTP "
+                               "(/v1/chat/completions, /v1/completions)", code="unsupported_parameter",
+                               param="kv_transfer_params")  # fmt: skip
             if fields.n != 1:  # one output_text per response: ask for several responses instead
                 raise APIError(400, "n: a WebSocket response has one output; send several response.create",
                                code="unsupported_parameter", param="n")  # fmt: skip

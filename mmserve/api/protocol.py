@@ -504,6 +504,7 @@ class ErrorResponse(BaseModel):
 
 class ResponseParams(ChatFields):
     id: str | None = Field(default=None, min_length=1, max_length=128)
+    kv_transfer_params: dict[str, Any] | None = None  # refused: disaggregation is vLLM's HTTP protocol
 
 
 class ResponseCreateEvent(BaseModel):

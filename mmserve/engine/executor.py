@@ -69,7 +69,7 @@ class InProcessExecutor:
         # Reads finish between steps: a block read now is computed on from the next plan on, and a
         # request's blocks are read by a decode instance only after the step that wrote them returned.
         output = self._runner.execute(plan, grammar)
-        report = self._kv_worker.step(plan.kv_loads)
+        report = self._kv_worker.step(plan.kv_loads, plan.kv_transfers_pending)
         return dataclasses.replace(
             output, kv_loads_done=report.done, kv_loads_failed=report.failed, kv_sends_done=report.sent,
             kv_blocks_read=report.blocks_read, kv_read_s=report.read_s,

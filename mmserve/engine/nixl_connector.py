@@ -32,6 +32,13 @@ GET_META_MSG = b"get_meta_msg"
 NIXL_CONNECTOR_VERSION = 2  # vLLM's: kv_transfer_params carry remote_request_id
 KV_CACHE_LAYOUT = "NHD"  # a block is [block_size, num_kv_heads, head_dim]
 _HANDSHAKE_TIMEOUT_S = 5.0  # vLLM's side-channel receive timeout
+# Without NIXL's own progress thread (a CPU pool): how often ours advances UCX while transfers are pending.
+# UCX over TCP serves a READ in software on both ends, so each end must progress for the bytes to move; an
+# engine step can last far longer than that.
+_PROGRESS_INTERVAL_S = 0.0005
+# ... and for how long after the last step that said so: a step that ends the last transfer is often the
+# last step an idle engine runs, and a long step in between must not stall a transfer.
+_PROGRESS_LINGER_S = 10.0
 
 
 class NixlAgentMetadata(msgspec.Struct):
@@ -162,9 +169,20 @@ class NixlKVWorker:
         self.base_addrs = [r.data_ptr() for r in regions]
         # Without a progress thread the transfers advance when `step` polls them (each engine step; a core
         # with reads or leases pending keeps stepping), both for this instance's reads and for reads of it.
-        progress_thread = first.is_cuda if config.progress_thread is None else config.progress_thread
-        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread,
+        nixl_progress_thread = first.is_cuda if config.progress_thread is None else config.progress_thread
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=nixl_progress_thread,
                                                              backends=config.backends))  # fmt: skip
+        # Every call into the agent holds this lock: the engine's thread (`step`) and, without NIXL's own,
+        # our progress thread, which runs only while `step` says transfers are pending (else it waits, idle).
+        self._lock = threading.Lock()
+        self._transfers_pending = threading.Event()
+        self._closed = False
+        self._progress_until = 0.0
+        self._notifs: list[bytes] = []  # reads of ours reported while the progress thread polled
+        self._progress = None
+        if not nixl_progress_thread:
+            self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
+            self._progress.start()
         self._registered = self.agent.register_memory(
             [(r.data_ptr(), r.numel() * r.element_size(), self.device_id, "") for r in regions], self.mem_type
         )
@@ -196,8 +214,32 @@ class NixlKVWorker:
         return np.stack([addrs, np.full_like(addrs, block_len), np.full_like(addrs, self.device_id)], axis=1)
 
     # -- one engine step -------------------------------------------------------------------------------
-    def step(self, loads: tuple[KVLoad, ...]) -> KVTransferReport:
-        """Start `loads`, advance the reads in flight, collect the notifications of reads out of this pool."""
+    def step(self, loads: tuple[KVLoad, ...], transfers_pending: bool = True) -> KVTransferReport:
+        """Start `loads`, advance the reads in flight, collect the notifications of reads out of this pool.
+        `transfers_pending`: whether reads into or out of this pool may be under way (the scheduler's loads,
+        leases and orphans): our progress thread advances them between steps until a step says none are."""
+        with self._lock:
+            report = self._step(loads)
+            if transfers_pending or self._reads:
+                self._progress_until = time.monotonic() + _PROGRESS_LINGER_S
+                self._transfers_pending.set()
+            else:
+                self._transfers_pending.clear()
+        return report
+
+    def _progress_loop(self) -> None:
+        while self._transfers_pending.wait():
+            with self._lock:
+                if self._closed:
+                    return
+                if not self._reads and time.monotonic() > self._progress_until:
+                    self._transfers_pending.clear()  # the engine stopped stepping: nothing is under way
+                    continue
+                for messages in self.agent.get_new_notifs().values():  # progresses the UCX worker
+                    self._notifs.extend(messages)
+            time.sleep(_PROGRESS_INTERVAL_S)
+
+    def _step(self, loads: tuple[KVLoad, ...]) -> KVTransferReport:
         now = time.monotonic()
         for load in loads:
             self._reads[load.request_id] = _Read(load, now + self.timeout_s)
@@ -337,17 +379,20 @@ class NixlKVWorker:
 
     def _reads_of_ours(self) -> tuple[str, ...]:
         """Request ids whose blocks decode instances have read (`<request id>:<tp size>` notifications)."""
-        done = []
-        for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                request_id, _, _ = message.decode(errors="replace").rpartition(":")
-                done.append(request_id)
-        return tuple(done)
+        messages, self._notifs = self._notifs, []
+        for new in self.agent.get_new_notifs().values():
+            messages.extend(new)
+        return tuple(message.decode(errors="replace").rpartition(":")[0] for message in messages)
 
     def num_reads(self) -> int:
         return len(self._reads)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._transfers_pending.set()  # wakes the progress thread to end
+        if self._progress is not None:
+            self._progress.join(timeout=5)
         self._side_channel.close()
         self._handshaker.shutdown(wait=False, cancel_futures=True)
         for read in self._reads.values():
