@@ -171,7 +171,8 @@ def test_a_cpu_pool_has_no_progress_thread_polling_by_default(
     the config asks for the thread. Measured as this process's CPU time while it sleeps."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     extra = {} if progress_thread is None else {"progress_thread": progress_thread}
-    idle = worker("P", pool(1), **extra)
+    caches = pool(1)  # registered with NIXL: alive as long as the worker
+    idle = worker("P", caches, **extra)
     try:
         time.sleep(0.2)  # the agent's threads settle
         cpu = time.process_time()

@@ -110,6 +110,11 @@ def _median(values: list[Any]) -> Any:
     return statistics.median(present) if present else None
 
 
+def threads_per_instance() -> int:
+    """Torch threads of the prefill and of the decode instance: half of this machine's cores each."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def bench_disagg(model: Path, cfg: DisaggBenchConfig) -> dict:
     """A colocated instance, a prefill and a decode instance (and the router over them), all started at once
     and up throughout. First an untimed greedy pass of one draw through both systems (it warms them up), then
@@ -117,10 +122,14 @@ def bench_disagg(model: Path, cfg: DisaggBenchConfig) -> dict:
     tokenizer = load_tokenizer(model)
     args = ("--num-kv-blocks", str(cfg.num_kv_blocks), "--decode-workers", "1")
     with contextlib.ExitStack() as stack:
+        # The colocated engine computes on every core; the prefill and the decode instance on half each, as two
+        # machines' worth of compute would be split (each with all of them, their torch threads would
+        # oversubscribe the cores and spin against each other).
+        half = {**UCX_TCP, "OMP_NUM_THREADS": str(threads_per_instance())}
         starts = (lambda: ServerProcess(model, served_model_name=SERVED_MODEL_NAME, extra_args=args, wait=False,
                                         env=UCX_TCP),
-                  lambda: pd_instance(model, "kv_producer", args, False, UCX_TCP),
-                  lambda: pd_instance(model, "kv_consumer", args, False, UCX_TCP))  # fmt: skip
+                  lambda: pd_instance(model, "kv_producer", args, False, half),
+                  lambda: pd_instance(model, "kv_consumer", args, False, half))  # fmt: skip
         colocated, prefill, decode = (stack.enter_context(contextlib.closing(start())) for start in starts)
         for server in (colocated, prefill, decode):
             server.wait_until_up()
@@ -139,7 +148,8 @@ def bench_disagg(model: Path, cfg: DisaggBenchConfig) -> dict:
     results = {name: {k: _median([r[k] for r in rs]) for k in rs[0] if k != "errors"}
                | {"errors": sorted({e for r in rs for e in r["errors"]})} for name, rs in rounds.items()}  # fmt: skip
     over = {k: ratio(results["disagg"][k], results["colocated"][k]) for _, k in _FIGURES}
-    return {"config": {"model": str(model), **asdict(cfg)}, "cpu_count": os.cpu_count(), "results": results,
+    return {"config": {"model": str(model), **asdict(cfg)}, "cpu_count": os.cpu_count(),
+            "threads_per_pd_instance": threads_per_instance(), "results": results,
             "disagg_over_colocated": over, "greedy_agreement": agreement,
             "greedy_failed": sum(x is None for x in (*a, *b)), "prefill_leases_after": leases_left,
             "rounds": rounds}  # fmt: skip
@@ -159,7 +169,8 @@ def format_report(report: dict) -> str:
         table(("figure (median of rounds)", *SYSTEMS, "disagg/colocated"), rows), reads,
         f"greedy agreement, disagg vs colocated: {report['greedy_agreement']:.3f} of the requests' texts identical",
         *errors,
-        f"All three instances share this machine's {report['cpu_count']} cores: splitting prefill from decode buys "
-        "no compute here, so these figures show the protocol's overhead (the router's hop, the prefill request, "
-        "the NIXL read over UCX TCP) and the read cost per block, not the GPU-scale benefit (decode steps that "
-        "never wait behind a long prefill on a device of their own)."])  # fmt: skip
+        f"All three instances share this machine's {report['cpu_count']} cores (the colocated engine computes on "
+        f"all, the prefill and decode instances on {report['threads_per_pd_instance']} thread(s) each): splitting "
+        "prefill from decode buys no compute here, so these figures show the protocol's overhead (the router's hop, "
+        "the prefill request, the NIXL read over UCX TCP) and the read cost per block, not the GPU-scale benefit "
+        "(decode steps that never wait behind a long prefill on a device of their own)."])  # fmt: skip

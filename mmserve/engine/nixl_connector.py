@@ -39,6 +39,7 @@ _PROGRESS_INTERVAL_S = 0.0005
 # ... and for how long after the last step that said so: a step that ends the last transfer is often the
 # last step an idle engine runs, and a long step in between must not stall a transfer.
 _PROGRESS_LINGER_S = 10.0
+_NIXL_LOCK = threading.Lock()
 
 
 class NixlAgentMetadata(msgspec.Struct):
@@ -153,7 +154,11 @@ class NixlKVWorker:
     def __init__(
         self, kv_caches: list[torch.Tensor], block_size: int, engine_id: str, config: KVTransferConfig
     ) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config  # only an instance that disaggregates needs it
+        from nixl._api import (  # only an instance that disaggregates needs it
+            nixl_agent,
+            nixl_agent_config,
+            nixl_thread_sync_t,
+        )
 
         self.engine_id = engine_id
         self.side_channel_port = config.side_channel_port
@@ -170,11 +175,15 @@ class NixlKVWorker:
         # Without a progress thread the transfers advance when `step` polls them (each engine step; a core
         # with reads or leases pending keeps stepping), both for this instance's reads and for reads of it.
         nixl_progress_thread = first.is_cuda if config.progress_thread is None else config.progress_thread
+        # Our progress thread calls in from a second thread: the lock below serializes the calls, and STRICT
+        # makes NIXL guard its own state for that too.
         self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=nixl_progress_thread,
-                                                             backends=config.backends))  # fmt: skip
-        # Every call into the agent holds this lock: the engine's thread (`step`) and, without NIXL's own,
-        # our progress thread, which runs only while `step` says transfers are pending (else it waits, idle).
-        self._lock = threading.Lock()
+                                                             backends=config.backends,
+                                                             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))  # fmt: skip
+        # Every call into the agent holds the process's NIXL lock: the engine's thread (`step`) and, without
+        # NIXL's own, our progress thread, which runs only while `step` says transfers are pending (else it
+        # waits, idle). One lock for all agents of a process (tests run two in one; UCX state is per process).
+        self._lock = _NIXL_LOCK
         self._transfers_pending = threading.Event()
         self._closed = False
         self._progress_until = 0.0
