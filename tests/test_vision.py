@@ -74,3 +74,30 @@ def test_positions_equal_get_rope_index(reference: tuple[Path, torch.nn.Module])
 def test_text_only_positions_are_plain() -> None:
     positions, delta = mrope_positions(7, [], 2)
     assert torch.equal(positions, torch.arange(7).expand(3, -1)) and delta == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_a_group_encoded_in_slices_of_blocks_equals_it_encoded_whole(
+    arch: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """What the scheduler spreads over steps: begin, then slices of blocks, then finish == one `encode`."""
+    from transformers import AutoConfig
+
+    model_dir = tiny_model_dir(arch)
+    config = AutoConfig.from_pretrained(model_dir)
+    tower = VisionTower(config, model_dir, torch.device("cpu"), torch.float32)
+    vc = config.vision_config
+    grid = (1, 8, 12)  # Qwen2.5-VL's windows need more than one window per side to differ from full attention
+    dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    pixels = torch.randn(8 * 12, dim, generator=torch.Generator().manual_seed(1))
+    whole = tower.encode(pixels, grid)
+    assert tower.depth >= 2
+    for slices in ([tower.depth], [1] * tower.depth, [tower.depth - 1, 5]):
+        state = tower.begin(pixels, grid)
+        for n in slices:
+            tower.advance(state, n)
+        assert torch.equal(tower.finish(state), whole), slices
+    state = tower.begin(pixels, grid)
+    tower.advance(state, tower.depth - 1)
+    with pytest.raises(ValueError, match="blocks have run"):
+        tower.finish(state)

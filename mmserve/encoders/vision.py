@@ -116,6 +116,98 @@ class VisionTower:
             return out.pooler_output  # [tokens, out_hidden]
         return torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)  # [tokens, out_hidden * (1 + L)]
 
+    # -- encoding in slices of blocks ------------------------------------------------------------------------
+    # One temporal group of a large tower (Qwen2-VL-2B: 32 blocks over 1,156 patches) can take seconds; the
+    # scheduler spreads it over several steps, a slice of blocks each, so the decodes beside it keep their pace.
+    # `begin` + `advance` (any slices) + `finish` compute what `encode` does, op for op (tests/test_vision.py).
+
+    @property
+    def depth(self) -> int:
+        """Blocks in the tower: the units `advance` runs."""
+        return len(self.model.blocks)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def begin(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> PartialEncode:
+        """The tower's input stage (patch embedding, positions, attention spans) for `encode`'s arguments."""
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+
+        m: Any = self.model
+        grid = torch.tensor([grid_thw], device=self.device)
+        position_ids = get_vision_position_ids(grid, m.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, m.config)
+        hidden = m.patch_embed(pixel_values.to(self.device, self.dtype))
+        if hasattr(m, "pos_embed"):  # Qwen3-VL: learned positions, interpolated
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                grid, num_grid_per_side=m.num_grid_per_side, mode=m.interpolation_mode,
+                align_corners=m.interpolation_align_corners, spatial_merge_size=m.config.spatial_merge_size,
+            )  # fmt: skip
+            hidden = hidden + (m.pos_embed(indices) * weights[:, :, None]).sum(1).to(hidden.dtype)
+        windows = None
+        if hasattr(m, "fullatt_block_indexes"):  # Qwen2.5-VL: window attention in most blocks, in window order
+            window_index, cu_window = get_vision_window_index(
+                grid, spatial_merge_size=m.spatial_merge_size, window_size=m.window_size, patch_size=m.patch_size
+            )
+            windows = (window_index, cu_window, get_max_seqlen(cu_window, m.config, kwarg_name="max_window_seqlen"))
+            seq_len = hidden.shape[0]
+            hidden = m.permute_input_for_window_attn(hidden, window_index, seq_len=seq_len)
+            rotary = tuple(
+                m.permute_input_for_window_attn(f, window_index, seq_len=seq_len)
+                for f in m.rotary_pos_emb(hidden, position_ids)
+            )
+        else:
+            rotary = m.rotary_pos_emb(hidden, position_ids)
+        return PartialEncode(hidden.reshape(hidden.shape[0], -1), 0, rotary, (cu_seqlens, max_seqlen), windows, [])
+
+    @torch.inference_mode()
+    def advance(self, state: PartialEncode, num_blocks: int) -> None:
+        """Run the next `num_blocks` blocks (at most to the tower's end) over `state`, in place."""
+        m: Any = self.model
+        full_attention = getattr(m, "fullatt_block_indexes", None)
+        deepstack = list(getattr(m, "deepstack_visual_indexes", None) or ())
+        for index in range(state.blocks_done, min(self.depth, state.blocks_done + num_blocks)):
+            cu_seqlens, max_seqlen = state.spans
+            if state.windows is not None and index not in full_attention:
+                _, cu_seqlens, max_seqlen = state.windows
+            state.hidden = m.blocks[index](
+                state.hidden, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, position_embeddings=state.rotary
+            )
+            if index in deepstack:
+                state.deepstack.append(m.deepstack_merger_list[deepstack.index(index)](state.hidden))
+            state.blocks_done = index + 1
+
+    @torch.inference_mode()
+    def finish(self, state: PartialEncode) -> torch.Tensor:
+        """`encode`'s result from a state every block has run over."""
+        if state.blocks_done != self.depth:
+            raise ValueError(f"{state.blocks_done} of the tower's {self.depth} blocks have run")
+        merged = self.model.merger(state.hidden)  # type: ignore[operator]
+        if state.windows is not None:  # back from window order
+            merged = merged[torch.argsort(state.windows[0]), :]
+        return torch.cat([merged, *state.deepstack], dim=-1) if state.deepstack else merged
+
+
+@dataclass(eq=False)
+class PartialEncode:
+    """A media run part-way through the tower: its hidden states after blocks [0, blocks_done).
+
+    hidden: [patches, vision hidden] (Qwen2.5-VL: in window order); rotary: the blocks' position embeddings;
+    spans: (cu_seqlens, max_seqlen) of full attention; windows: Qwen2.5-VL's (window_index, cu_window_seqlens,
+    max_window_seqlen), else None; deepstack: the DeepStack features of the levels already passed (Qwen3-VL).
+    """
+
+    hidden: torch.Tensor
+    blocks_done: int
+    rotary: Any
+    spans: tuple[torch.Tensor, Any]
+    windows: tuple[torch.Tensor, torch.Tensor, Any] | None
+    deepstack: list[torch.Tensor]
+
 
 # Tensors of a quantized layer (compressed-tensors, AWQ, block-wise FP8), and the dtypes of unquantized weights.
 _QUANTIZED_TENSORS = ("weight_scale", "weight_packed", "weight_zero_point", "weight_shape", "weight_scale_inv",
