@@ -81,6 +81,7 @@ def make_scheduler(
     num_blocks: int = 4096,
     block_size: int = 16,
     model: StepTimeModel | None = None,
+    encoder_depth: int = 0,
     **slo_knobs: object,
 ) -> Scheduler:
     config = SchedulerConfig(
@@ -88,7 +89,8 @@ def make_scheduler(
     )
     # A fresh copy of the true costs unless told otherwise, so online corrections never leak between runs.
     model = model or StepTimeModel(TRUE_COST.coefficients)
-    return Scheduler(config, CacheConfig(block_size, num_blocks, True), clock=clock, step_time_model=model)
+    return Scheduler(config, CacheConfig(block_size, num_blocks, True), clock=clock, step_time_model=model,
+                     encoder_depth=encoder_depth)  # fmt: skip
 
 
 def request(
@@ -150,7 +152,7 @@ def simulate(
         plan = sched.schedule()
         if on_plan is not None:
             on_plan(sched, plan, before)
-        if plan.is_empty:
+        if plan.is_empty and not plan.encoder_work:
             # Nothing can run (memory, pins): time passes until the next arrival or a short idle tick.
             clock.now = (
                 min(pending[0].arrival_time, clock.now + idle_step_s) if pending else clock.now + idle_step_s

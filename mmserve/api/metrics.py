@@ -66,6 +66,10 @@ class _StatsCollector(Collector):
         )
         yield counter("encoder_tokens_loaded", "Embedding tokens loaded from an encoder instance's output "
                       "(--ec-transfer-config) instead of computed.", s.num_encoder_tokens_loaded)  # fmt: skip
+        yield counter("encoder_slices", "Slices of the vision tower's blocks run for temporal groups whose encode "
+                      "was spread over several steps to keep within --max-step-ms.", s.num_encoder_slices)  # fmt: skip
+        yield gauge("encoder_partial_groups", "Temporal groups part-way through the vision tower.",
+                    s.num_partial_encodes)  # fmt: skip
         yield counters_by("num_preemptions_by_class", "Preemptions by recompute, by the preempted request's class.",
                           "service_class", {"interactive": s.num_preemptions_interactive,
                                             "batch": s.num_preemptions_batch})  # fmt: skip

@@ -95,7 +95,8 @@ class EngineCore:
             self._scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=time.monotonic,
                                         kv_transfer=kv_transfer, encoder_outputs=store.contains if store else None,
                                         encode_only=args.ec_transfer_config is not None
-                                        and args.ec_transfer_config.is_producer)  # fmt: skip
+                                        and args.ec_transfer_config.is_producer,
+                                        encoder_depth=self._encoder_depth())  # fmt: skip
         except BaseException:  # nothing started here outlives a failed start
             if self._kv_events is not None:
                 self._kv_events.close()
@@ -339,6 +340,14 @@ class EngineCore:
     def inject_faults(self, action: str, request_ids: Iterable[str] = ()) -> None:
         self.executor.inject_faults(action, tuple(request_ids))
 
+    def _encoder_depth(self) -> int:
+        """The vision tower's blocks, which the scheduler may spread over several steps (a slice each); 0 (each
+        group encoded whole) without a tower or with several ranks, whose encoder splits work by whole groups."""
+        vision_config = getattr(self.hf_config, "vision_config", None)
+        if vision_config is None or self.tensor_parallel_size > 1:
+            return 0
+        return int(vision_config.depth)
+
     def leak_report(self) -> dict[str, int]:
         """What is still held across the scheduler and the workers; every figure is 0 when idle."""
         stats = self._scheduler.stats()
@@ -348,6 +357,7 @@ class EngineCore:
             "requests": len(self._scheduler.request_ids()),
             "kv_blocks_held": stats.num_total_blocks - stats.num_free_blocks,
             "encoder_tokens_referenced": stats.num_referenced_encoder_tokens,
+            "encoder_partial_groups": stats.num_partial_encodes,
             "runner_requests": runner_requests,
             "runner_encoder_entries_not_cached": not_cached,
             "runner_encoder_entries_referenced": referenced,

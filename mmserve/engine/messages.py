@@ -21,7 +21,7 @@ class StepRecord:
     encoder_duration_s: float  # of duration_s, spent in the vision encoder
     num_decode_tokens: int
     num_prefill_tokens: int
-    num_encoder_tokens: int
+    num_encoder_tokens: float  # a slice of the tower counts by its share of the blocks
     # The rest of the step-time model's features (scheduler/step_time.py), for `mmserve bench profile`.
     num_seqs: int = 0
     num_context_tokens: int = 0  # sum over scheduled requests of (cached + new) tokens attended to

@@ -25,7 +25,7 @@ import torch
 from transformers import PretrainedConfig
 
 from mmserve.distributed.group import TensorParallelGroup
-from mmserve.encoders.vision import VisionTower
+from mmserve.encoders.vision import PartialEncode, VisionTower
 from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
@@ -115,6 +115,8 @@ class ModelRunner:
         self.vision = VisionTower(hf_config, model_dir, device, dtype, shard_over) if has_vision else None
         # (mm_hash, group) -> [tokens, embed_width]: the embeddings, then any DeepStack levels (vision.py)
         self.encoder_cache: dict[tuple[str, int], torch.Tensor] = {}
+        # (mm_hash, group) -> its hidden states part-way through the tower (the scheduler's slices of blocks)
+        self.partial_encodes: dict[tuple[str, int], PartialEncode] = {}
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
         self.encoder_store = encoder_store
         self.store_encoder_outputs = store_encoder_outputs and encoder_store is not None
@@ -132,6 +134,7 @@ class ModelRunner:
         constrained requests (a request of it that does not sample in this step is skipped)."""
         for key in plan.freed_encoder_keys:
             self.encoder_cache.pop(key, None)
+            self.partial_encodes.pop(key, None)
         try:
             views = self.requests.apply(plan)
         except ValueError as exc:  # a plan that contradicts the ones before it: nothing can be trusted
@@ -155,6 +158,7 @@ class ModelRunner:
 
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
+        self.partial_encodes.clear()
 
     def weight_bytes(self) -> int:
         """Bytes of the weights this rank holds: its decoder shard, plus the whole vision tower. Parameters and
@@ -166,8 +170,8 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in unique.values())  # tied weights once
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
-        """(requests whose plan state is kept, the encoder cache's keys)."""
-        return len(self.requests), list(self.encoder_cache)
+        """(requests whose plan state is kept, the keys of the encoder cache and of the partial encodes)."""
+        return len(self.requests), [*self.encoder_cache, *self.partial_encodes]
 
     def _build_rows(self, views: list[StepView]) -> tuple[list[StepView], list[_Rows], list[FailedRequest]]:
         """Each request's rows, built alone so that an error is that request's. A request whose prefill
@@ -273,6 +277,14 @@ class ModelRunner:
         several ranks each encodes its share and every rank caches all of the step's embeddings."""
         if not work:
             return
+        slices = [w for w in work if w.blocks is not None]
+        if slices and self.tp.world_size > 1:  # the scheduler plans slices only for one rank (EngineCore)
+            raise ValueError("a slice of the vision tower was planned for several tensor-parallel ranks")
+        for w in slices:
+            self._encode_slice(w)
+        work = tuple(w for w in work if w.blocks is None)
+        if not work:
+            return
         if self.tp.world_size == 1:
             if self.encoder_store is not None:
                 work = self._load_stored(work)
@@ -355,9 +367,35 @@ class ModelRunner:
         pixels, grid = run.mm_input.data.groups(run.first, run.first + run.count - 1)
         return self.vision.encode(pixels, grid)
 
+    def _encode_slice(self, work: EncoderWork) -> None:
+        """Run a slice of the tower's blocks over one temporal group: from its patches (the first slice) or
+        from the hidden states the previous slice left; the last slice caches the group's embeddings."""
+        assert work.blocks is not None
+        first, end, depth = work.blocks
+        key = (work.mm_input.mm_hash, work.group)
+        if self.vision is None:
+            raise ValueError("this model has no vision tower, but a request carries media")
+        if depth != self.vision.depth:
+            raise ValueError(f"a slice of a {depth}-block tower was planned for this {self.vision.depth}-block one")
+        self.faults.check_encode(self.tp.rank)
+        state = self.partial_encodes.pop(key, None)
+        if first == 0:  # a fresh start (an earlier partial encode of the group, if any, was abandoned)
+            pixels, grid = work.mm_input.data.groups(work.group, work.group)  # type: ignore[attr-defined]
+            state = self.vision.begin(pixels, grid)
+        elif state is None or state.blocks_done != first:
+            done = None if state is None else state.blocks_done
+            raise ValueError(f"group {key} was planned from block {first}, but its partial encode is at {done}")
+        self.vision.advance(state, end - first)
+        if end == depth:
+            self.encoder_cache[key] = self.vision.finish(state)
+        else:
+            self.partial_encodes[key] = state
+
     def _cache_run(self, run: EncoderRun, embeds: torch.Tensor) -> None:
         for k, chunk in enumerate(embeds.split(run.mm_input.tokens_per_group)):
-            self.encoder_cache[(run.mm_input.mm_hash, run.first + k)] = chunk
+            key = (run.mm_input.mm_hash, run.first + k)
+            self.encoder_cache[key] = chunk
+            self.partial_encodes.pop(key, None)  # encoded whole after all: an abandoned slice's state goes
 
     def _embeddings(
         self, views: list[StepView], batch: ForwardBatch

@@ -53,6 +53,19 @@ class EncoderWork:
     mm_input: MultiModalInput
     group: int
     load: bool = False  # an encoder instance computed it: the runner loads it (and encodes it only if that fails)
+    # A slice of the tower: (first, end, depth) runs blocks [first, end) of its `depth`, continuing the group's
+    # partial encode (first > 0) and caching the result only when end == depth; None: the whole tower at once.
+    blocks: tuple[int, int, int] | None = None
+
+    @property
+    def num_tokens_computed(self) -> float:
+        """Embedding tokens' worth of encoder work: a slice counts by its share of the tower's blocks."""
+        if self.load:
+            return 0.0
+        if self.blocks is None:
+            return float(self.mm_input.tokens_per_group)
+        first, end, depth = self.blocks
+        return self.mm_input.tokens_per_group * (end - first) / depth
 
 
 @dataclass(frozen=True)
@@ -123,9 +136,10 @@ class SchedulerOutput:
         return self.num_scheduled_tokens - self.num_decode_tokens
 
     @property
-    def num_encoder_tokens(self) -> int:
-        """Embedding tokens the encoder computes this step (loaded ones are not computed)."""
-        return sum(w.mm_input.tokens_per_group for w in self.encoder_work if not w.load)
+    def num_encoder_tokens(self) -> float:
+        """Embedding tokens the encoder computes this step (loaded ones are not computed; a slice of the
+        tower counts by its share of the blocks)."""
+        return sum(w.num_tokens_computed for w in self.encoder_work)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ class SchedulerStats:
     num_encoder_tokens_loaded: int = 0  # embedding tokens loaded from an encoder instance's output instead
     num_referenced_encoder_tokens: int = 0  # encoder-cache tokens some live request still needs
     num_encoder_cache_entries: int = 0  # (mm_hash, group) entries cached, referenced or not
+    num_partial_encodes: int = 0  # groups part-way through the vision tower (encoded in slices of its blocks)
+    num_encoder_slices: int = 0  # slices of the tower's blocks planned (a group spread over several steps)
     # Per service class (every policy counts them; only `slo` acts on classes).
     num_preemptions_interactive: int = 0
     num_preemptions_batch: int = 0
@@ -113,11 +115,14 @@ class Scheduler:
         kv_transfer: tuple[KVTransferConfig, str] | None = None,
         encoder_outputs: Callable[[EncoderKey], bool] | None = None,
         encode_only: bool = False,
+        encoder_depth: int = 0,
     ) -> None:
         """`kv_transfer`: disaggregation's configuration and this instance's engine id; None: off.
         `encoder_outputs`: whether an encoder instance has stored a group's embeddings for this one to load
         (encoder disaggregation); None: every group not cached is encoded here. `encode_only` (an encoder
-        instance): requests get their media encoded and end, with no tokens and no KV."""
+        instance): requests get their media encoded and end, with no tokens and no KV. `encoder_depth`: the
+        vision tower's blocks, when the runner can encode a group in slices of them (a group that does not fit
+        a step's time is then spread over several); 0: every group is encoded whole."""
         self.config = scheduler_config
         self.policy = get_policy(scheduler_config.policy)
         self.clock = clock  # seconds; the same clock as Request.arrival_time
@@ -134,6 +139,8 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self._encoder_outputs = encoder_outputs
         self.encode_only = encode_only
+        self.encoder_depth = encoder_depth
+        self.num_encoder_slices = 0
         self._encoded: list[Request] = []  # encode-only requests whose last groups the current plan encodes
         self.kv_transfer: KVTransferScheduler | None = None
         if kv_transfer is not None:
@@ -300,13 +307,14 @@ class Scheduler:
 
     def has_unsent_diffs(self) -> bool:
         """Requests finished or preempted since the last plan: the next plan tells the runner."""
-        return bool(self._finished_ids or self._preempted_ids)
+        return bool(self._finished_ids or self._preempted_ids or self.encoder_cache.has_pending_evictions())
 
     def encoder_entries_unaccounted(self, keys: Iterable[EncoderKey]) -> tuple[int, int]:
         """Of the runner's encoder entries `keys`: (not in the encoder cache, still referenced). Both
         are 0 once every request has finished."""
         keys = list(keys)
-        not_cached = sum(1 for k in keys if not self.encoder_cache.is_cached(k))
+        cache = self.encoder_cache
+        not_cached = sum(1 for k in keys if not cache.is_cached(k) and not cache.is_partial(k))
         referenced = sum(1 for k in keys if self.encoder_cache.is_cached(k) and self.encoder_cache.is_referenced(k))
         return not_cached, referenced
 
@@ -331,6 +339,8 @@ class Scheduler:
             num_encoder_tokens_loaded=self.encoder_cache.num_loaded_tokens,
             num_referenced_encoder_tokens=self.encoder_cache.num_referenced_tokens,
             num_encoder_cache_entries=self.encoder_cache.num_entries,
+            num_partial_encodes=self.encoder_cache.num_partial,
+            num_encoder_slices=self.num_encoder_slices,
             num_preemptions_interactive=self.num_preemptions_by_class[ServiceClass.INTERACTIVE],
             num_preemptions_batch=self.num_preemptions_by_class[ServiceClass.BATCH],
             num_throttled_batch_decodes=slo.throttled_batch_decodes if slo is not None else 0,
@@ -349,6 +359,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens, self.config.max_num_encoder_tokens)
+        self.encoder_cache.begin_plan()
         if self.kv_transfer is not None:
             for request in self.kv_transfer.expired():  # no decode instance read them in time
                 self.kv.free(request)
@@ -540,6 +551,7 @@ class Scheduler:
             else:
                 num_new_tokens, encoder_plan = self.fit_prefill(step, request, start, max_tokens)
             if num_new_tokens <= 0:
+                self.grant(step, request, 0, encoder_plan)  # a slice of its next group's encode, if any
                 continue  # its last sampled token is not applied yet, the encoder budget or the time is spent
             while self.kv.allocate_slots(request, num_new_tokens) is None:
                 victim = self.policy.pick_victim(self.running)
@@ -571,6 +583,7 @@ class Scheduler:
                 step, request, num_cached, min(num_new_tokens, step.budget)
             )
             if num_new_tokens <= 0:
+                self.grant(step, request, 0, encoder_plan)  # a slice of its first group's encode, if any
                 break
             if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
@@ -665,7 +678,10 @@ class Scheduler:
         if not step.prefill_served:
             seconds = max(seconds, PREFILL_FLOOR_SHARE * step.time_limit)
         n, plan = self.fit_to_time(step, request, start, max_tokens, seconds)
-        if n <= 0 and not step.prefill_served:
+        if n <= 0 and not plan and not step.prefill_served:
+            piece = self.encoder_slice(step, request, start, seconds, at_least_one=True)
+            if piece is not None:
+                return 0, [piece]
             unit = min(self.next_unit(request, start, whole_group=True), max_tokens)
             n, plan = self.plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
         return n, plan
@@ -675,7 +691,8 @@ class Scheduler:
     ) -> tuple[int, list[EncoderGrant]]:
         """The most tokens from `start` (at most `max_tokens`) whose predicted cost, the encoder groups
         they need included, fits `seconds`; with their encoder plan. A chunk that cannot take a group it
-        reaches ends right before it (its text before the group still fits)."""
+        reaches ends right before it (its text before the group still fits); the time left then runs a slice
+        of that group's encode, when the runner encodes in slices (`encoder_slice`): the plan ends with it."""
         model = self.step_time
         n = min(max_tokens, model.tokens_within(seconds, start))
         while n > 0:
@@ -683,15 +700,70 @@ class Scheduler:
             if n <= 0:
                 break
             encoder_tokens = new_encoder_tokens(plan)
-            if model.grant_cost(start, n, encoder_tokens) <= seconds:
-                return n, plan
+            cost = model.grant_cost(start, n, encoder_tokens)
+            if cost <= seconds:
+                piece = None
+                if n < max_tokens:
+                    piece = self.encoder_slice(step, request, start + n, seconds - cost, planned=plan)
+                return n, [*plan, piece] if piece is not None else plan
             # Fewer text tokens with the same groups; if the groups alone do not fit, end before the last one.
             fewer = min(n - 1, model.tokens_within(seconds, start, encoder_tokens))
             new_groups = [g.mm.group_range(g.group)[0] for g in plan if not g.cached]
             if fewer <= 0 and new_groups:
                 fewer = min(n - 1, max(new_groups) - start)
             n = fewer
-        return 0, []
+        piece = self.encoder_slice(step, request, start, seconds) if max_tokens > 0 else None
+        return 0, [piece] if piece is not None else []
+
+    def encoder_slice(
+        self,
+        step: _Step,
+        request: Request,
+        position: int,
+        seconds: float,
+        at_least_one: bool = False,
+        planned: list[EncoderGrant] | tuple[()] = (),
+    ) -> EncoderGrant | None:
+        """A slice of the tower's blocks for the group that prompt token `position` stands in, when it is not
+        encoded yet and its encode does not fit this step: as many blocks as `seconds` allows (`at_least_one`:
+        never none, so the request moves). None: no slicing here, nothing to slice, or not one block fits.
+        `planned`: the groups the request's chunk in this step already has (not granted yet).
+        A slice that reaches the tower's last block completes the group (it is then cached)."""
+        depth = self.encoder_depth
+        if not depth or not (self.policy.chunked_prefill and self.config.chunk_encoder):
+            return None
+        for mm in request.mm_inputs:
+            first, last = mm.placeholder.offset, mm.placeholder.offset + mm.placeholder.length
+            if first <= position < last:
+                break
+        else:
+            return None
+        group = (position - first) // mm.tokens_per_group
+        key = (mm.mm_hash, group)
+        if (
+            self.encoder_cache.is_cached(key)
+            or any((w.mm_input.mm_hash, w.group) == key for w in step.encoder_work)
+            or any((g.mm.mm_hash, g.group) == key for g in planned)
+            or (self._encoder_outputs is not None and self._encoder_outputs(key))
+        ):
+            return None  # cached, already worked on in this step, or an encoder instance's to load
+        done = self.encoder_cache.blocks_done(key)
+        tokens = mm.tokens_per_group
+        per_block = self.step_time.grant_cost(0, 0, tokens / depth) - self.step_time.grant_cost(0, 0, 0.0)
+        if per_block <= 0 or seconds == math.inf:
+            blocks = depth - done
+        else:
+            blocks = min(depth - done, int(max(seconds, 0.0) / per_block))
+        blocks = min(blocks, step.encoder_budget * depth // tokens)  # its share of the encoder budget
+        if blocks <= 0 and at_least_one:
+            blocks = 1
+        if blocks <= 0:
+            return None
+        if done + blocks == depth:  # completes the group: a cache entry, with the room any entry needs
+            room = self.encoder_cache.room()
+            if tokens > room and room < self.encoder_cache.capacity:
+                return None
+        return EncoderGrant(mm, group, cached=False, charge=0, blocks=(done, done + blocks, depth))
 
     def next_unit(self, request: Request, start: int, whole_group: bool) -> int:
         """The smallest grant from `start`: to the end of the encoder group `start` stands in, if that
@@ -744,6 +816,11 @@ class Scheduler:
                     continue
                 group_start = max(0, mm.group_range(group)[0] - start)
                 cached = self.encoder_cache.is_cached(key)
+                if not cached and any((w.mm_input.mm_hash, w.group) == key for w in step.encoder_work):
+                    # A slice of it runs in this step already (another request's): its tokens wait for the rest.
+                    return min(num_new_tokens, group_start, step.budget - charged), plan
+                done = self.encoder_cache.blocks_done(key)  # a group encoded in slices: the rest of the tower
+                blocks = (done, self.encoder_depth, self.encoder_depth) if done else None
                 # Stored by an encoder instance: loaded into the cache, so it takes room but no encoder time.
                 loaded = not cached and self._encoder_outputs is not None and self._encoder_outputs(key)
                 charge = 0 if cached or loaded else math.ceil(cost * tokens)
@@ -758,16 +835,17 @@ class Scheduler:
                     # Work bigger than the whole budget (a group, or an item without encoder chunking)
                     # may run alone in an otherwise encoder-free step.
                     alone = item_budget if not self.config.chunk_encoder else budget
-                    fits = loaded or tokens <= budget or alone == self.config.max_num_encoder_tokens
+                    work = math.ceil(tokens * (1 - done / self.encoder_depth)) if done else tokens
+                    fits = loaded or work <= budget or alone == self.config.max_num_encoder_tokens
                     # Likewise the cache: an empty cache takes anything, so no group waits forever.
                     has_room = tokens <= room or room == self.encoder_cache.capacity
                     if limited and not (fits and has_room):
                         # End before this group; 0 if the chunk starts inside it (e.g. a prefix hit).
                         return min(num_new_tokens, group_start, step.budget - charged), plan
-                    budget -= 0 if loaded else tokens
+                    budget -= 0 if loaded else work
                     room -= tokens
                 charged += charge
-                plan.append(EncoderGrant(mm, group, cached, charge, loaded))
+                plan.append(EncoderGrant(mm, group, cached, charge, loaded, blocks))
                 planned.add(key)
         return min(num_new_tokens, step.budget - charged), plan
 
@@ -778,23 +856,36 @@ class Scheduler:
         num_new_tokens: int,
         encoder_plan: list[EncoderGrant],
     ) -> None:
-        charge = sum(g.charge for g in encoder_plan)
-        cost = self.step_time.grant_cost(request.num_computed_tokens, num_new_tokens, new_encoder_tokens(encoder_plan))
-        step.costs[request.request_id] = cost
+        """Give `request` `num_new_tokens` of this step with their encoder plan. 0 tokens: only the plan's slice
+        of a group's encode (`encoder_slice`), if it has one; the request is then not in the step's batch."""
+        encoder_tokens = new_encoder_tokens(encoder_plan)
+        if num_new_tokens > 0:
+            charge = sum(g.charge for g in encoder_plan)
+            cost = self.step_time.grant_cost(request.num_computed_tokens, num_new_tokens, encoder_tokens)
+            step.grants[request.request_id] = num_new_tokens
+            step.charges[request.request_id] = charge
+            step.budget -= num_new_tokens + charge
+            step.costs[request.request_id] = cost
+        elif encoder_plan:  # a slice runs even if the request is preempted later in this step: never returned
+            cost = self.step_time.grant_cost(0, 0, encoder_tokens) - self.step_time.grant_cost(0, 0, 0.0)
+        else:
+            return
         step.seconds_left -= cost
         step.prefill_served |= not request.is_decoding
-        step.grants[request.request_id] = num_new_tokens
-        step.charges[request.request_id] = charge
-        step.budget -= num_new_tokens + charge
         # Shares first: a new entry may evict unreferenced ones, never one this request is about to use.
-        for mm, group, cached, _, loaded in sorted(encoder_plan, key=lambda e: not e.cached):
+        for grant in sorted(encoder_plan, key=lambda e: not e.cached):
+            mm, group, cached, _, loaded, blocks = grant
             key = (mm.mm_hash, group)
             if cached:
                 self.encoder_cache.share(request.request_id, key)
+                continue
+            if blocks is not None and blocks[1] < blocks[2]:  # a slice short of the tower's end: no entry yet
+                self.encoder_cache.advance(request.request_id, key, blocks[1])
             else:
                 self.encoder_cache.add(request.request_id, key, mm.tokens_per_group, loaded)
-                step.encoder_budget -= 0 if loaded else mm.tokens_per_group
-                step.encoder_work.append(EncoderWork(mm, group, load=loaded))
+            step.encoder_budget -= math.ceil(grant.num_tokens_computed)
+            step.encoder_work.append(EncoderWork(mm, group, load=loaded, blocks=blocks))
+            self.num_encoder_slices += blocks is not None
 
     def preempt(self, step: _Step, request: Request) -> None:
         """Preemption by recompute: drop the request's KV and send it back to the waiting queue; what

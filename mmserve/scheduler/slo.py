@@ -356,9 +356,11 @@ class SloPlanner:
                 return False
             start = request.num_computed_tokens
             n, plan = sched.fit_to_time(step, request, start, min(request.num_tokens - start, max_tokens), seconds)
-            if n <= 0 and progress:
+            if n <= 0 and not plan and progress:
                 n, plan = self._forced_piece(step, request, start, max_tokens, progress)
-            return n > 0 and self._serve_running(step, request, n, plan)
+            if n <= 0:
+                return self._serve_encoder_slice(step, request, plan)
+            return self._serve_running(step, request, n, plan)
         # Waiting since the step began (victims of this step were turned away above).
         if request.status not in _WAITING or len(sched.running) >= self.config.max_num_seqs:
             return False
@@ -370,10 +372,10 @@ class SloPlanner:
             n, plan = sched.fit_to_time(
                 step, request, num_cached, min(request.num_tokens - num_cached, max_tokens), seconds
             )
-            if n <= 0 and progress:
+            if n <= 0 and not plan and progress:
                 n, plan = self._forced_piece(step, request, num_cached, max_tokens, progress)
             if n <= 0:
-                return False
+                return self._serve_encoder_slice(step, request, plan)
             if sched.kv.allocate_slots(request, n, computed_blocks) is not None:
                 break
             victim = self._victim(request, admitting=True)
@@ -394,11 +396,17 @@ class SloPlanner:
         short of TBT, so they build it). Under overload this paces the late requests' forced progress
         instead of stretching every step past the target, which would fail every stream's TPOT at once."""
         sched = self.sched
+        used = self.last_time_limit - step.seconds_left  # predicted seconds of the step so far
+        # At a group not encoded yet, where the runner encodes in slices: what of the tower the pace allows
+        # (with GROUP, at least one block), rather than the whole group at once.
+        allowed = max(self._pace_s, self.last_time_limit) - used
+        piece = sched.encoder_slice(step, request, start, allowed, at_least_one=progress == Progress.GROUP)
+        if piece is not None:
+            return 0, [piece]
         unit = min(sched.next_unit(request, start, progress == Progress.GROUP), max_tokens)
         n, plan = sched.plan_encoder(request, start, unit, step) if unit > 0 else (0, [])
         if n <= 0:
             return 0, []
-        used = self.last_time_limit - step.seconds_left  # predicted seconds of the step so far
         if n > 1 and self.last_time_limit != math.inf:  # one token is never refused: nobody starves
             cost = sched.step_time.grant_cost(start, n, new_encoder_tokens(plan))
             if used + cost > max(self._pace_s, self.last_time_limit):
@@ -432,6 +440,13 @@ class SloPlanner:
             if victim is request:
                 return False
         self._record_grant(step, request, num_tokens, plan)
+        return True
+
+    def _serve_encoder_slice(self, step: _Step, request: Request, plan: EncoderPlan) -> bool:
+        """A grant of no tokens: a slice of the request's next group's encode, if `plan` holds one."""
+        if not plan:
+            return False
+        self._record_grant(step, request, 0, plan)
         return True
 
     def _record_grant(self, step: _Step, request: Request, num_tokens: int, plan: EncoderPlan) -> None:

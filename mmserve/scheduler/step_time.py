@@ -36,7 +36,9 @@ class StepFeatures:
     new_tokens: int  # tokens computed this step over all requests (prefill chunks + decodes)
     context_tokens: int  # sum over scheduled requests of (cached + new) tokens its queries attend to
     num_seqs: int  # requests in the step
-    encoder_tokens: int  # embedding tokens the vision encoder computes (a video counts by its groups')
+    # Embedding tokens the vision encoder computes (a video counts by its groups'; a slice of the tower by its
+    # share of the blocks).
+    encoder_tokens: float
 
     @classmethod
     def of_plan(cls, plan: SchedulerOutput) -> StepFeatures:
@@ -146,7 +148,7 @@ class StepTimeModel:
         """Seconds a step costs before it computes anything."""
         return self.coefficients["intercept"]
 
-    def grant_cost(self, num_computed: int, num_new: int, encoder_tokens: int = 0) -> float:
+    def grant_cost(self, num_computed: int, num_new: int, encoder_tokens: float = 0.0) -> float:
         """Seconds that one more request in a step adds: `num_new` tokens over `num_computed`
         cached ones (it attends to num_computed + num_new), plus its new encoder work."""
         c = self.coefficients
@@ -158,7 +160,7 @@ class StepTimeModel:
             + c["encoder_tokens"] * encoder_tokens,
         )
 
-    def tokens_within(self, seconds: float, num_computed: int, encoder_tokens: int = 0) -> int:
+    def tokens_within(self, seconds: float, num_computed: int, encoder_tokens: float = 0.0) -> int:
         """The most tokens one request may add to a step without adding more than `seconds`."""
         c = self.coefficients
         per_token = c["new_tokens"] + c["context_tokens"]
