@@ -8,9 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from slo_sim import TRUE_COST, VirtualClock, make_scheduler, request, simulate
+from slo_sim import TRUE_COST, VirtualClock, fake_run, make_scheduler, request, simulate
 
-from mmserve.request import MultiModalInput, PlaceholderRange
 from mmserve.scheduler.encoder_cache import EncoderCacheManager
 from mmserve.scheduler.output import SchedulerOutput
 from mmserve.scheduler.scheduler import Scheduler
@@ -76,12 +75,12 @@ def test_an_aborted_requests_partial_group_is_dropped_by_the_next_plan() -> None
                            encoder_depth=DEPTH)  # fmt: skip
     sched.add_request(request("chat", 0.0, 32, 50))
     plan = sched.schedule()
-    sched.update(plan, _sampled(plan))  # the chat decodes from now on: steps have a time limit
+    sched.update(plan, fake_run(plan))  # the chat decodes from now on: steps have a time limit
     sched.add_request(request("video", 0.0, 600, 4, media=[(10, 512, 2)], first_token_id=10_000))
     key = ("video-mm0", 0)
     for _ in range(20):
         plan = sched.schedule()
-        sched.update(plan, _sampled(plan))
+        sched.update(plan, fake_run(plan))
         if sched.encoder_cache.is_partial(key):
             break
     assert sched.stats().num_partial_encodes == 1
@@ -89,14 +88,8 @@ def test_an_aborted_requests_partial_group_is_dropped_by_the_next_plan() -> None
     assert sched.stats().num_partial_encodes == 0 and sched.has_unsent_diffs()
     plan = sched.schedule()
     assert key in plan.freed_encoder_keys  # the runner drops its hidden states before this plan's work
-    sched.update(plan, _sampled(plan))
+    sched.update(plan, fake_run(plan))
     assert not sched.encoder_cache.has_pending_evictions()
-
-
-def _sampled(plan: SchedulerOutput):  # noqa: ANN202
-    from slo_sim import fake_run
-
-    return fake_run(plan)
 
 
 def test_a_partial_group_orphaned_while_a_plan_is_made_is_dropped_by_the_plan_after() -> None:
