@@ -754,13 +754,16 @@ class Scheduler:
             blocks = depth - done
         else:
             blocks = min(depth - done, int(max(seconds, 0.0) / per_block))
-        blocks = min(blocks, step.encoder_budget * depth // tokens)  # its share of the encoder budget
-        if blocks <= 0 and at_least_one:
-            blocks = 1
+        # What the step's encoder budget has room for, after the groups planned beside it.
+        encoder_budget = step.encoder_budget - sum(math.ceil(g.num_tokens_computed) for g in planned)
+        budget_blocks = max(0, encoder_budget) * depth // tokens
+        blocks = min(blocks, budget_blocks)
+        if blocks <= 0 and at_least_one and encoder_budget == self.config.max_num_encoder_tokens:
+            blocks = 1  # the step's forced piece: a block bigger than the whole budget runs alone, as a group may
         if blocks <= 0:
             return None
         if done + blocks == depth:  # completes the group: a cache entry, with the room any entry needs
-            room = self.encoder_cache.room()
+            room = self.encoder_cache.room() - sum(g.mm.tokens_per_group for g in planned if not g.cached)
             if tokens > room and room < self.encoder_cache.capacity:
                 return None
         return EncoderGrant(mm, group, cached=False, charge=0, blocks=(done, done + blocks, depth))
