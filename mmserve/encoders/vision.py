@@ -26,6 +26,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.utils.generic import get_max_seqlen
+from transformers.vision_utils import (
+    get_vision_attention_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.models.parallel import ColumnParallelLinear, RowParallelLinear, split_evenly
@@ -129,14 +136,6 @@ class VisionTower:
     @torch.inference_mode()
     def begin(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> PartialEncode:
         """The tower's input stage (patch embedding, positions, attention spans) for `encode`'s arguments."""
-        from transformers.utils.generic import get_max_seqlen
-        from transformers.vision_utils import (
-            get_vision_attention_seqlens,
-            get_vision_interpolation_indices_and_weights,
-            get_vision_position_ids,
-            get_vision_window_index,
-        )
-
         m: Any = self.model
         grid = torch.tensor([grid_thw], device=self.device)
         position_ids = get_vision_position_ids(grid, m.spatial_merge_size)
