@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from slo_sim import TRUE_COST, VirtualClock, fake_run, make_scheduler, request, simulate
 
+from mmserve.request import RequestStatus
 from mmserve.scheduler.encoder_cache import EncoderCacheManager
 from mmserve.scheduler.output import SchedulerOutput
 from mmserve.scheduler.scheduler import Scheduler
@@ -90,6 +91,35 @@ def test_an_aborted_requests_partial_group_is_dropped_by_the_next_plan() -> None
     assert key in plan.freed_encoder_keys  # the runner drops its hidden states before this plan's work
     sched.update(plan, fake_run(plan))
     assert not sched.encoder_cache.has_pending_evictions()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "slo"])
+def test_only_an_admitted_request_gets_a_slice_with_no_tokens(policy: str) -> None:
+    """A waiting request's first group is encoded with its admission (its tokens, its KV blocks), never as
+    work ahead of it: a failing slice must be blamed on a request the step ran, and the cache room it holds
+    on one that holds blocks."""
+    clock = VirtualClock()
+    sched = make_scheduler(policy, clock, model=StepTimeModel(SLOW_ENCODER.coefficients), max_step_ms=250.0,
+                           encoder_depth=DEPTH)  # fmt: skip
+    chat = request("chat", 0.0, 32, 300)
+    video = request("video", 0.3, 600, 4, media=[(0, 512, 2)], first_token_id=10_000)  # a group at token 0
+
+    def check(_: Scheduler, plan: SchedulerOutput, __: object) -> None:
+        if any(w.blocks is not None for w in plan.encoder_work):
+            assert video.status == RequestStatus.RUNNING
+
+    traces = simulate(sched, clock, [chat, video], cost=SLOW_ENCODER, on_plan=check)
+    assert traces["video"].finish_reason == "length"  # admitted (with its first group) and served
+    assert sched.stats().num_encoder_slices > 0  # its second group went in slices
+
+
+def test_slo_with_nothing_decoding_plans_a_step_with_no_time_limit() -> None:
+    """No decodes: no time limit, so the forced piece's time left is unbounded (it was inf - inf)."""
+    sched = make_scheduler("slo", VirtualClock(), encoder_depth=DEPTH)
+    sched.add_request(request("a", 0.0, 300, 4, media=[(10, 256, 1)]))
+    sched.add_request(request("b", 0.0, 300, 4, "batch", media=[(0, 256, 1)], first_token_id=10_000))
+    plan = sched.schedule()
+    assert plan.scheduled and all(w.blocks is None for w in plan.encoder_work)
 
 
 def test_a_partial_group_orphaned_while_a_plan_is_made_is_dropped_by_the_plan_after() -> None:

@@ -98,6 +98,7 @@ class _Step:
     time_limit: float = math.inf
     costs: dict[str, float] = field(default_factory=dict)
     prefill_served: bool = False
+    slice_served: bool = False  # a grant of no tokens ran a slice of a group's encode (it runs even if preempted)
 
     def limit_time(self, limit: float, intercept: float) -> None:
         """Plan this step to `limit` predicted seconds (math.inf: none)."""
@@ -583,7 +584,6 @@ class Scheduler:
                 step, request, num_cached, min(num_new_tokens, step.budget)
             )
             if num_new_tokens <= 0:
-                self.grant(step, request, 0, encoder_plan)  # a slice of its first group's encode, if any
                 break
             if self.kv.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 break
@@ -679,7 +679,7 @@ class Scheduler:
             seconds = max(seconds, PREFILL_FLOOR_SHARE * step.time_limit)
         n, plan = self.fit_to_time(step, request, start, max_tokens, seconds)
         if n <= 0 and not plan and not step.prefill_served:
-            piece = self.encoder_slice(step, request, start, seconds, at_least_one=True)
+            piece = self.encoder_slice(step, request, start, seconds, True) if self.is_admitted(request) else None
             if piece is not None:
                 return 0, [piece]
             unit = min(self.next_unit(request, start, whole_group=True), max_tokens)
@@ -712,8 +712,15 @@ class Scheduler:
             if fewer <= 0 and new_groups:
                 fewer = min(n - 1, max(new_groups) - start)
             n = fewer
-        piece = self.encoder_slice(step, request, start, seconds) if max_tokens > 0 else None
+        piece = self.encoder_slice(step, request, start, seconds) if max_tokens > 0 and self.is_admitted(request) else None
         return 0, [piece] if piece is not None else []
+
+    @staticmethod
+    def is_admitted(request: Request) -> bool:
+        """Whether a grant of no tokens (a slice of a group's encode alone) may go to the request: only to a running
+        one. A waiting request holds no KV blocks; encoder work (and cache room) for it would run ahead of its
+        admission, and a failing slice would not be blamed on it (the failed step names the requests it ran)."""
+        return request.status == RequestStatus.RUNNING
 
     def encoder_slice(
         self,
@@ -753,7 +760,7 @@ class Scheduler:
         if per_block <= 0 or seconds == math.inf:
             blocks = depth - done
         else:
-            blocks = min(depth - done, int(max(seconds, 0.0) / per_block))
+            blocks = min(depth - done, int(seconds / per_block)) if seconds > 0.0 else 0  # NaN: none
         # What the step's encoder budget has room for, after the groups planned beside it.
         encoder_budget = step.encoder_budget - sum(math.ceil(g.num_tokens_computed) for g in planned)
         budget_blocks = max(0, encoder_budget) * depth // tokens
@@ -763,7 +770,12 @@ class Scheduler:
         if blocks <= 0:
             return None
         if done + blocks == depth:  # completes the group: a cache entry, with the room any entry needs
-            room = self.encoder_cache.room() - sum(g.mm.tokens_per_group for g in planned if not g.cached)
+            cache = self.encoder_cache
+            room = cache.room() - sum(
+                g.mm.tokens_per_group
+                for g in planned
+                if not g.cached or not cache.is_referenced((g.mm.mm_hash, g.group))  # shared: no longer evictable
+            )
             if tokens > room and room < self.encoder_cache.capacity:
                 return None
         return EncoderGrant(mm, group, cached=False, charge=0, blocks=(done, done + blocks, depth))
@@ -825,7 +837,7 @@ class Scheduler:
                 done = self.encoder_cache.blocks_done(key)  # a group encoded in slices: the rest of the tower
                 blocks = (done, self.encoder_depth, self.encoder_depth) if done else None
                 # Stored by an encoder instance: loaded into the cache, so it takes room but no encoder time.
-                loaded = not cached and self._encoder_outputs is not None and self._encoder_outputs(key)
+                loaded = not cached and not done and self._encoder_outputs is not None and self._encoder_outputs(key)
                 charge = 0 if cached or loaded else math.ceil(cost * tokens)
                 # With a cost, the chunk must still reach one token into the group after the charges.
                 if cost and group_start + 1 + charge > step.budget - charged:
@@ -871,6 +883,7 @@ class Scheduler:
             step.costs[request.request_id] = cost
         elif encoder_plan:  # a slice runs even if the request is preempted later in this step: never returned
             cost = self.step_time.grant_cost(0, 0, encoder_tokens) - self.step_time.grant_cost(0, 0, 0.0)
+            step.slice_served = True
         else:
             return
         step.seconds_left -= cost
@@ -897,7 +910,7 @@ class Scheduler:
         step.seconds_left += step.costs.pop(request.request_id, 0.0)
         # A preempted prefill's grant no longer counts: the next prefill gets the floor share again.
         # (Grants advance num_computed_tokens only when the plan is built, so is_decoding is still exact.)
-        step.prefill_served = any(not self.requests[rid].is_decoding for rid in step.grants)
+        step.prefill_served = step.slice_served or any(not self.requests[rid].is_decoding for rid in step.grants)
         step.releases.append((request.request_id, None))
         self._sent.pop(request.request_id, None)
         self.running.remove(request)

@@ -147,12 +147,13 @@ class SloPlanner:
         """Predicted seconds to compute the request's uncomputed tokens in one step of its own,
         its not yet encoded media groups included. A lower bound: chunking only adds to it."""
         start = request.num_computed_tokens
+        cache, depth = self.sched.encoder_cache, self.sched.encoder_depth
         encoder_tokens = sum(
-            mm.tokens_per_group
+            mm.tokens_per_group * (1 - cache.blocks_done((mm.mm_hash, g)) / depth if depth else 1)
             for mm in request.mm_inputs
             for g in range(mm.num_groups)
-            if mm.group_range(g)[1] > start and not self.sched.encoder_cache.is_cached((mm.mm_hash, g))
-        )
+            if mm.group_range(g)[1] > start and not cache.is_cached((mm.mm_hash, g))
+        )  # a group part-way through the tower (encoded in slices) by what is left of it
         model = self.sched.step_time
         return model.intercept() + model.grant_cost(start, request.num_tokens - start, encoder_tokens)
 
@@ -399,8 +400,10 @@ class SloPlanner:
         used = self.last_time_limit - step.seconds_left  # predicted seconds of the step so far
         # At a group not encoded yet, where the runner encodes in slices: what of the tower the pace allows
         # (with GROUP, at least one block), rather than the whole group at once.
-        allowed = max(self._pace_s, self.last_time_limit) - used
-        piece = sched.encoder_slice(step, request, start, allowed, at_least_one=progress == Progress.GROUP)
+        allowed = math.inf if self.last_time_limit == math.inf else max(self._pace_s, self.last_time_limit) - used
+        piece = None
+        if sched.is_admitted(request):
+            piece = sched.encoder_slice(step, request, start, allowed, at_least_one=progress == Progress.GROUP)
         if piece is not None:
             return 0, [piece]
         unit = min(sched.next_unit(request, start, progress == Progress.GROUP), max_tokens)
