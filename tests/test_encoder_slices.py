@@ -147,12 +147,16 @@ def test_a_partial_group_orphaned_while_a_plan_is_made_is_dropped_by_the_plan_af
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
-def test_an_engine_encoding_in_slices_answers_as_one_encoding_whole(tiny_model_dir: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_an_engine_encoding_in_slices_answers_as_one_encoding_whole(
+    arch: str, tiny_model_dir: Callable[[str], Path]
+) -> None:
     """A text request streams while a photo and a clip arrive; with a step target far below one group's
-    encode, the groups are encoded a block at a time: the same greedy tokens, nothing left behind."""
+    encode, the groups are encoded a block at a time: the same greedy tokens, nothing left behind (Qwen2.5-VL's
+    window order and Qwen3-VL's DeepStack levels carried across steps)."""
     from mmserve import LLM, SamplingParams
 
-    model = tiny_model_dir("qwen2_vl")
+    model = tiny_model_dir(arch)
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": str(ASSETS / "sample.jpg")}},
         {"type": "text", "text": "and this clip"},
