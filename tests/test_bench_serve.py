@@ -5,6 +5,7 @@ repeats hit the server's caches), arrivals and closed loop; the JSON has every m
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -145,9 +146,16 @@ def test_bench_serve_server_process_against_offline(
     assert offline["total_output_tokens"] == m["total_output_tokens"]
     for key in ("output_throughput", "total_token_throughput"):
         assert m[f"{key}_over_offline"] == pytest.approx(m[key] / offline[key])
-    # The child server was stopped: no `mmserve serve` process of ours is left.
+    # The child server was stopped: no `mmserve serve` process of ours is left, also none an exit re-parented
+    # (to init: no longer our child) and none of its engine core or decode workers.
+    model = str(tiny_model_dir("qwen2_vl"))
+    left = []
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.pid != os.getpid() and cmdline[1:4] == ["-m", "mmserve", "serve"] and model in cmdline:
+            left.append(proc)
     children = psutil.Process().children(recursive=True)
-    assert not [c for c in children if c.cmdline()[1:4] == ["-m", "mmserve", "serve"]], children
+    assert not left and not [c for c in children if c.cmdline()[1:4] == ["-m", "mmserve", "serve"]], (left, children)
 
 
 def test_bench_serve_long_video_chunked_against_no_chunk(
