@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from mmserve.request import MultiModalInput
+from mmserve.scheduler.output import encoder_work_tokens
 
 EncoderKey = tuple[str, int]  # (mm_hash, temporal group index)
 
@@ -38,12 +39,7 @@ class EncoderGrant(NamedTuple):
     @property
     def num_tokens_computed(self) -> float:
         """Embedding tokens' worth of encoder work (0 for cached and loaded groups; a slice by its share)."""
-        if self.cached or self.loaded:
-            return 0.0
-        if self.blocks is None:
-            return float(self.mm.tokens_per_group)
-        first, end, depth = self.blocks
-        return self.mm.tokens_per_group * (end - first) / depth
+        return 0.0 if self.cached or self.loaded else encoder_work_tokens(self.mm.tokens_per_group, self.blocks)
 
 
 def new_encoder_tokens(plan: Iterable[EncoderGrant]) -> float:

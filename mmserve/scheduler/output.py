@@ -45,6 +45,15 @@ class ScheduledRequest:
     is_decode: bool = False  # extends the output by one token (Request.is_decoding when planned)
 
 
+def encoder_work_tokens(num_tokens: int, blocks: tuple[int, int, int] | None) -> float:
+    """Embedding tokens' worth of encoding a group of `num_tokens`: all of them for the whole tower (`blocks` None),
+    a slice (first, end, depth) by its share of the tower's blocks."""
+    if blocks is None:
+        return float(num_tokens)
+    first, end, depth = blocks
+    return num_tokens * (end - first) / depth
+
+
 @dataclass(frozen=True)
 class EncoderWork:
     """Encode one temporal group of one media item this step; the runner caches the result
@@ -60,12 +69,7 @@ class EncoderWork:
     @property
     def num_tokens_computed(self) -> float:
         """Embedding tokens' worth of encoder work: a slice counts by its share of the tower's blocks."""
-        if self.load:
-            return 0.0
-        if self.blocks is None:
-            return float(self.mm_input.tokens_per_group)
-        first, end, depth = self.blocks
-        return self.mm_input.tokens_per_group * (end - first) / depth
+        return 0.0 if self.load else encoder_work_tokens(self.mm_input.tokens_per_group, self.blocks)
 
 
 @dataclass(frozen=True)

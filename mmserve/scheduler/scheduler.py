@@ -30,6 +30,7 @@ from mmserve.scheduler.output import (
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
+    encoder_work_tokens,
 )
 from mmserve.scheduler.policy import get_policy
 from mmserve.scheduler.slo import SloPlanner
@@ -99,6 +100,10 @@ class _Step:
     costs: dict[str, float] = field(default_factory=dict)
     prefill_served: bool = False
     slice_served: bool = False  # a grant of no tokens ran a slice of a group's encode (it runs even if preempted)
+
+    def encodes(self, key: EncoderKey) -> bool:
+        """Whether this step already has encoder work (a whole group or a slice) for the group `key`."""
+        return any((w.mm_input.mm_hash, w.group) == key for w in self.encoder_work)
 
     def limit_time(self, limit: float, intercept: float) -> None:
         """Plan this step to `limit` predicted seconds (math.inf: none)."""
@@ -749,14 +754,14 @@ class Scheduler:
         key = (mm.mm_hash, group)
         if (
             self.encoder_cache.is_cached(key)
-            or any((w.mm_input.mm_hash, w.group) == key for w in step.encoder_work)
+            or step.encodes(key)
             or any((g.mm.mm_hash, g.group) == key for g in planned)
             or (self._encoder_outputs is not None and self._encoder_outputs(key))
         ):
             return None  # cached, already worked on in this step, or an encoder instance's to load
         done = self.encoder_cache.blocks_done(key)
         tokens = mm.tokens_per_group
-        per_block = self.step_time.grant_cost(0, 0, tokens / depth) - self.step_time.grant_cost(0, 0, 0.0)
+        per_block = self.step_time.encoder_cost(tokens / depth)
         if per_block <= 0 or seconds == math.inf:
             blocks = depth - done
         else:
@@ -831,7 +836,7 @@ class Scheduler:
                     continue
                 group_start = max(0, mm.group_range(group)[0] - start)
                 cached = self.encoder_cache.is_cached(key)
-                if not cached and any((w.mm_input.mm_hash, w.group) == key for w in step.encoder_work):
+                if not cached and step.encodes(key):
                     # A slice of it runs in this step already (another request's): its tokens wait for the rest.
                     return min(num_new_tokens, group_start, step.budget - charged), plan
                 done = self.encoder_cache.blocks_done(key)  # a group encoded in slices: the rest of the tower
@@ -850,7 +855,7 @@ class Scheduler:
                     # Work bigger than the whole budget (a group, or an item without encoder chunking)
                     # may run alone in an otherwise encoder-free step.
                     alone = item_budget if not self.config.chunk_encoder else budget
-                    work = math.ceil(tokens * (1 - done / self.encoder_depth)) if done else tokens
+                    work = math.ceil(encoder_work_tokens(tokens, blocks))  # a partial group: what is left of it
                     fits = loaded or work <= budget or alone == self.config.max_num_encoder_tokens
                     # Likewise the cache: an empty cache takes anything, so no group waits forever.
                     has_room = tokens <= room or room == self.encoder_cache.capacity
@@ -882,7 +887,7 @@ class Scheduler:
             step.budget -= num_new_tokens + charge
             step.costs[request.request_id] = cost
         elif encoder_plan:  # a slice runs even if the request is preempted later in this step: never returned
-            cost = self.step_time.grant_cost(0, 0, encoder_tokens) - self.step_time.grant_cost(0, 0, 0.0)
+            cost = self.step_time.encoder_cost(encoder_tokens)
             step.slice_served = True
         else:
             return

@@ -160,6 +160,10 @@ class StepTimeModel:
             + c["encoder_tokens"] * encoder_tokens,
         )
 
+    def encoder_cost(self, encoder_tokens: float) -> float:
+        """Seconds that encoder work alone adds to a step (a slice of a group's encode with no tokens of its own)."""
+        return max(0.0, self.coefficients["encoder_tokens"] * encoder_tokens)
+
     def tokens_within(self, seconds: float, num_computed: int, encoder_tokens: float = 0.0) -> int:
         """The most tokens one request may add to a step without adding more than `seconds`."""
         c = self.coefficients
