@@ -4,9 +4,14 @@ repeats hit the server's caches), arrivals and closed loop; the JSON has every m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -189,32 +194,68 @@ def test_bench_serve_long_video_chunked_against_no_chunk(
     )
 
 
+@contextlib.contextmanager
+def transformers_serve(model: Path) -> Iterator[str]:
+    """`transformers serve` (transformers' own OpenAI-compatible server, a child process) preloading `model`
+    on loopback; yields its base URL; the child is reaped on leaving."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    entry = "from transformers.cli.transformers import main; main()"
+    child = subprocess.Popen([sys.executable, "-c", entry, "serve", "--host", "127.0.0.1", "--port", str(port),
+                              "--device", "cpu", str(model)],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert child.poll() is None, "transformers serve exited before it served"
+            assert time.monotonic() < deadline, "transformers serve did not come up within 180 s"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        child.terminate()
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(30)
+
+
 def test_bench_serve_runs_a_peer_server_beside_mmserve_round_by_round(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """`--peer NAME=URL --repeats 2`: a second OpenAI-compatible server (here another mmserve, started apart)
-    takes the same requests over HTTP as the mmserve the bench starts, in each round; each key's figures are
-    its median round's, every round is listed, and the ratios are mmserve's figures over the peer's."""
-    from mmserve.bench.servers import InProcessServer
-
-    model = tiny_model_dir("qwen2_vl")
-    peer = InProcessServer(model, served_model_name="peer-model", max_num_seqs=8)  # asked for by its own name
+    """`--peer NAME=URL --repeats 2` against `transformers serve` on the same checkpoint: the peer takes the same
+    requests over HTTP as the mmserve the bench starts, in each round; each key's figures are its median
+    round's, every round is listed, and the ratios are mmserve's figures over the peer's. transformers serve
+    refuses vLLM's `ignore_eos`, so the bench forces its lengths through transformers' `min_new_tokens`: both
+    servers generate exactly the tokens asked for."""
+    model = tiny_model_dir("qwen2")
     out = tmp_path / "serve.json"
-    try:
+    with transformers_serve(model) as peer_url:
         argv = ["bench", "serve", "--model", str(model), "--quick", "--no-progress", "--json", str(out)]
-        argv += ["--transport", "ws", "--peer", f"other={peer.url}", "--repeats", "2"]
+        argv += ["--transport", "ws", "--peer", f"hf={peer_url}", "--repeats", "2"]
         assert main(argv) == 0
-    finally:
-        peer.close()
     report = json.loads(out.read_text())
-    assert set(report["results"]) == {"ws", "http", "other/http"}  # mmserve runs HTTP too, beside its ws
+    assert report["config"]["peer_length_forcing"] == {"hf": "generation_config"}
+    assert set(report["results"]) == {"ws", "http", "hf/http"}  # mmserve runs HTTP too, beside its ws
     for m in report["results"].values():
         assert m["failed"] == 0 and m["completed"] == 8, m["errors"]
         assert len(m["rounds"]) == 2
         assert m["output_throughput"] in sorted(r["output_throughput"] for r in m["rounds"])[:1]  # lower middle
-    assert {r["round"] for r in report["requests"]["other/http"]} == {0, 1}
-    ratios = report["peers"]["other"]
-    ours, theirs = report["results"]["http"]["rounds"], report["results"]["other/http"]["rounds"]
+    assert {r["round"] for r in report["requests"]["hf/http"]} == {0, 1}
+    # The same requests, each of exactly its forced length, on both servers.
+    ours = [r["output_tokens"] for r in report["requests"]["http"]]
+    assert [r["output_tokens"] for r in report["requests"]["hf/http"]] == ours and sum(ours) > 8
+    ratios = report["peers"]["hf"]
+    assert ratios["output_tokens_equal"] is True
+    ours, theirs = report["results"]["http"]["rounds"], report["results"]["hf/http"]["rounds"]
     per_round = [a["output_throughput"] / b["output_throughput"] for a, b in zip(ours, theirs, strict=True)]
     assert ratios["output_throughput_mmserve_over_peer_rounds"] == pytest.approx(per_round)
     assert ratios["output_throughput_mmserve_over_peer"] == pytest.approx(sum(per_round) / 2)

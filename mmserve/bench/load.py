@@ -20,7 +20,7 @@ import numpy as np
 
 from mmserve.bench import TRANSPORTS
 from mmserve.bench.metrics import RequestTiming, core_loop_figures, ratio
-from mmserve.bench.workload import Request, user
+from mmserve.bench.workload import LENGTH_FORCINGS, Request, user
 
 # On a text of its own: no prefix- or encoder-cache hits for the measured requests.
 WARM_UP = Request(user("Warm up."), 2)
@@ -53,10 +53,12 @@ class _Stream:
 
 
 async def send_http(client: Any, base_url: str, req: Request, headers: dict,
-                    first_token: asyncio.Event | None = None, model: str = "bench") -> RequestTiming:
-    """One streamed `POST /v1/chat/completions` naming `model`; each non-empty content delta's arrival is
-    recorded, and `first_token` (if given) is set at the first."""
-    body = {"model": model, **req.body(), "stream": True, "stream_options": {"include_usage": True}}
+                    first_token: asyncio.Event | None = None, model: str = "bench",
+                    length_forcing: str = "ignore_eos") -> RequestTiming:  # fmt: skip
+    """One streamed `POST /v1/chat/completions` naming `model`, its length forced as `length_forcing` says
+    (`Request.body`); each non-empty content delta's arrival is recorded, and `first_token` (if given) is set
+    at the first."""
+    body = {"model": model, **req.body(length_forcing), "stream": True, "stream_options": {"include_usage": True}}
     stream, usage = _Stream(first_token), {}
     try:
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers) as r:
@@ -143,6 +145,23 @@ def served_model(base_url: str) -> str:
     return str(models[0]["id"])
 
 
+def length_forcing(base_url: str, model: str) -> str:
+    """How the server at `base_url` takes a forced output length (one of LENGTH_FORCINGS): the first it accepts of
+    a 2-token request that carries it and answers with 2 tokens. Raises if it takes none (its figures would
+    compare outputs of other lengths)."""
+    import httpx
+
+    probe = Request(user("Say something."), 2)
+    answers = []
+    for forcing in LENGTH_FORCINGS:
+        r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, **probe.body(forcing)}, timeout=120)
+        tokens = (r.json().get("usage") or {}).get("completion_tokens") if r.status_code == 200 else None
+        if tokens == probe.output_len:
+            return forcing
+        answers.append(f"{forcing}: HTTP {r.status_code}, {tokens} tokens, {r.text[:120]!r}")
+    raise RuntimeError(f"{base_url} forces no output length the ways the bench knows: " + "; ".join(answers))
+
+
 async def scrape_counters(client: Any, base_url: str, headers: dict[str, str]) -> dict[str, float]:
     """The server's counters from its /metrics (`mmserve:NAME_total`), by NAME summed over their labels but
     `part` (the engine-core loop's seconds: `engine_core_loop_seconds:step`...); {} when /metrics does not
@@ -185,7 +204,7 @@ async def run_requests(
     burstiness: float = 1.0, max_concurrency: int | None = None, api_key: str | None = None, seed: int = 0,
     progress: bool = True, media_source: str = "data-url",
     first_alone: bool = False, video_interval_s: float = 2.0, metrics_urls: Sequence[str] | None = None,
-    warm_up: bool = True, model: str = "bench", loop_url: str | None = None,
+    warm_up: bool = True, model: str = "bench", loop_url: str | None = None, length_forcing: str = "ignore_eos",
 ) -> tuple[list[RequestTiming], float, dict]:  # fmt: skip
     """Send every request (with `warm_up`, WARM_UP first, not counted); returns the timings (in `requests`'
     order), the duration (first send to last end) and the server's figures over that span: its cache figures
@@ -196,7 +215,8 @@ async def run_requests(
     `at_s` (all of them), each at its own offset from the start. `first_alone`: request 0 goes alone and the
     rest wait for its first token (or its end), so it is a cold miss whose prefix the others find cached.
     `late` requests (at the end of `requests`) are held back until every other request has its first
-    token (or has ended), then sent one every `video_interval_s` seconds."""
+    token (or has ended), then sent one every `video_interval_s` seconds. `length_forcing` (HTTP): how output
+    lengths are forced on the server (`Request.body`)."""
     import httpx
     from tqdm import tqdm
 
@@ -220,7 +240,8 @@ async def run_requests(
         if media_source == "upload":
             requests = await upload_media(url, requests, api_key)
         send: Send = (await stack.enter_async_context(ws_pool(url, min(limit, 64), api_key)) if transport == "ws"
-                      else functools.partial(send_http, client, url, headers=headers, model=model))  # fmt: skip
+                      else functools.partial(send_http, client, url, headers=headers, model=model,
+                                             length_forcing=length_forcing))  # fmt: skip
         if warm_up and not (warm := await send(WARM_UP)).success:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         cache_urls = list(dict.fromkeys(metrics_urls or [url]))

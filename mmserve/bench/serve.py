@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench import ServeBenchConfig, num, summary, table
-from mmserve.bench.load import WARM_UP, run_requests, served_model
+from mmserve.bench.load import WARM_UP, length_forcing, run_requests, served_model
 from mmserve.bench.metrics import (
     RequestTiming,
     compute_metrics,
@@ -89,8 +89,11 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
     # Peers speak the OpenAI HTTP API only: with peers, mmserve runs HTTP too, on the same requests. A target:
     # (its figures' key, "{}" the transport: "{}", "{}/no-chunk" or "NAME/{}"; `run_requests`' options for it).
     transports = cfg.transports + (("http",) if peers and "http" not in cfg.transports else ())
-    peer_targets: list[tuple[str, dict[str, Any]]] = [(f"{name}/{{}}", {"url": url, "model": served_model(url)})
-                                                      for name, url in peers]  # fmt: skip
+    # A peer's output lengths are forced the way it takes (transformers serve refuses vLLM's ignore_eos).
+    peer_targets: list[tuple[str, dict[str, Any]]] = [
+        (f"{name}/{{}}", {"url": url, "model": (served := served_model(url)), "length_forcing": length_forcing(url, served)})
+        for name, url in peers
+    ]
     engine_kwargs: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                                      "max_num_encoder_tokens": cfg.max_num_encoder_tokens}  # fmt: skip
     metrics_urls = list(cfg.metrics_url) or None
@@ -142,6 +145,7 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
         "model": str(model) if model else None,
         "in_process_server": cfg.url is None and not cfg.server_process,
         "first_request_alone": cfg.workload == "prefix",
+        "peer_length_forcing": {key.split("/")[0]: server["length_forcing"] for key, server in peer_targets},
         # the no-chunk server's token budget: the longest prompt seen on the chunked one
         "no_chunk_max_num_batched_tokens": engine_kwargs["max_num_batched_tokens"] if cfg.compare_no_chunk else None,
     }
@@ -178,6 +182,9 @@ def _peer_comparison(ours: list[dict], theirs: list[dict]) -> dict:
         per_round = [a[name] / b[name] for a, b in zip(ours, theirs, strict=True) if a.get(name) and b.get(name)]
         out[f"{name}_mmserve_over_peer"] = statistics.median(per_round) if per_round else None
         out[f"{name}_mmserve_over_peer_rounds"] = per_round
+    # Forced lengths: every round's output token count equal, or the throughputs compare different work.
+    out["output_tokens_equal"] = all(a["total_output_tokens"] == b["total_output_tokens"]
+                                     for a, b in zip(ours, theirs, strict=True))  # fmt: skip
     return out
 
 
@@ -228,9 +235,10 @@ def format_report(report: dict) -> str:
         parts.append(f"== chunked / no-chunk ({c['transport']}) ==\n" + summary(rows))
     if peers := report.get("peers"):
         rows = [(name, len(r["output_throughput_mmserve_over_peer_rounds"]),
-                 *(num(r[f"{k}_mmserve_over_peer"], ".3f") for k in _PEER_FIGURES)) for name, r in peers.items()]
+                 *(num(r[f"{k}_mmserve_over_peer"], ".3f") for k in _PEER_FIGURES),
+                 "yes" if r["output_tokens_equal"] else "NO") for name, r in peers.items()]
         parts.append("== mmserve / peer (HTTP, the same requests; median of the rounds) ==\n"
-                     + table(("peer", "rounds", "output tok/s", "median TTFT", "p99 ITL"), rows))  # fmt: skip
+                     + table(("peer", "rounds", "output tok/s", "median TTFT", "p99 ITL", "same tokens"), rows))  # fmt: skip
     if offline := report.get("offline"):
         parts.append("== offline LLM.chat, same requests ==\n" + summary([
             ("Duration (s):", num(offline["duration_s"], ".2f")),

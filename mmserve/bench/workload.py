@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ _WORDS = (
     "the a red blue green circle square image video frame token cache block decode prefill model "
     "server request stream latency batch of in on with and to is what why how describe count"
 ).split()
+# How a request's output length is forced on a server: vLLM's `ignore_eos`, or (transformers serve, which
+# refuses unknown fields) transformers' `min_new_tokens` in the request's `generation_config`.
+LENGTH_FORCINGS = ("ignore_eos", "generation_config")
 VIDEO_OUTPUT_LEN = 8  # long-video: tokens each video request generates (a short answer)
 
 
@@ -114,10 +118,17 @@ class Request:
     # long-video's videos: sent once every other request streams, `video_interval_s` apart (load.run_requests)
     late: bool = False
 
-    def body(self) -> dict[str, Any]:
-        """The chat body (greedy, forced length). The class marks are sent only for slo-mix's classes:
-        fcfs ignores both, priority reads `priority`, slo `service_tier`."""
-        body = {"messages": self.messages, "max_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True}
+    def body(self, length_forcing: str = "ignore_eos") -> dict[str, Any]:
+        """The chat body (greedy, its length forced as `length_forcing` says: one of LENGTH_FORCINGS). The
+        class marks are sent only for slo-mix's classes: fcfs ignores both, priority reads `priority`, slo
+        `service_tier`."""
+        body = {"messages": self.messages, "max_tokens": self.output_len, "temperature": 0.0}
+        if length_forcing == "ignore_eos":  # vLLM's field (mmserve, vLLM, SGLang, llama.cpp's server)
+            body["ignore_eos"] = True
+        elif length_forcing == "generation_config":  # `transformers serve`, which refuses ignore_eos
+            body["generation_config"] = json.dumps({"min_new_tokens": self.output_len})
+        else:
+            raise ValueError(f"length_forcing: choose from {', '.join(LENGTH_FORCINGS)} (got {length_forcing!r})")
         if self.at_s is not None:  # a phase of classed requests (slo-mix)
             batch = self.service_class == BATCH
             body |= {"service_tier": "flex" if batch else "default", "priority": 1 if batch else 0}
