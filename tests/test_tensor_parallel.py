@@ -165,6 +165,31 @@ def test_the_tower_sharded_like_the_decoder_gives_the_same_output(mm_case: tuple
     _idle(llm)
 
 
+def test_the_sharded_tower_encodes_in_slices_as_one_rank_encodes_whole(mm_case: tuple, engines: Callable) -> None:
+    """Weights mode with a step target far below one group's encode, a text request decoding beside an image
+    and a video: every rank runs the same slices of its shard of the tower (a block a step, the collectives
+    inside), and the tokens are those of one rank encoding each group whole; nothing is left behind."""
+    from mmserve import SamplingParams
+
+    model_dir = mm_case[0]
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": str(assets / "sample.jpg")}},
+        {"type": "text", "text": "and this clip"},
+        {"type": "video_url", "video_url": {"url": str(assets / "sample_clip.mp4")}},
+    ]}]  # fmt: skip
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, logprobs=0)
+    whole = engines(model_dir, 1)
+    prompts = ["a text prompt that decodes beside the media", whole.processor.chat_prompt(messages)]
+    expected = whole.generate(prompts, params)
+    assert whole.stats().num_encoder_slices == 0
+    llm = engines(model_dir, 2, mm_encoder_tp_mode="weights", max_num_batched_tokens=64, max_step_ms=0.01)
+    _same(llm.generate(prompts, params), expected)
+    stats = llm.stats()
+    assert stats.num_encoder_slices >= 2 and stats.num_partial_encodes == 0
+    _idle(llm)
+
+
 def test_media_under_a_budget_smaller_than_one_image(mm_case: tuple, engines: Callable) -> None:
     model_dir, names, expected, tp1 = mm_case
     llm = engines(model_dir, 2, max_num_batched_tokens=7, max_num_encoder_tokens=12)

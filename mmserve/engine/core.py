@@ -342,9 +342,10 @@ class EngineCore:
 
     def _encoder_depth(self) -> int:
         """The vision tower's blocks, which the scheduler may spread over several steps (a slice each); 0 (each
-        group encoded whole) without a tower or with several ranks, whose encoder splits work by whole groups."""
+        group encoded whole) without a tower, or with several ranks in the tower's data mode, which splits the
+        step's work over them by whole groups (in weights mode every rank runs every block: slices work alike)."""
         vision_config = getattr(self.hf_config, "vision_config", None)
-        if vision_config is None or self.tensor_parallel_size > 1:
+        if vision_config is None or (self.tensor_parallel_size > 1 and self.args.mm_encoder_tp_mode != "weights"):
             return 0
         return int(vision_config.depth)
 

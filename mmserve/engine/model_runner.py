@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,16 +274,19 @@ class ModelRunner:
         )
 
     def _run_encoder(self, work: tuple[EncoderWork, ...]) -> None:
-        """Encode the planned temporal groups; consecutive groups of one item go in one call. With
-        several ranks each encodes its share and every rank caches all of the step's embeddings."""
+        """Encode the planned temporal groups (and slices of the tower over some); consecutive groups of one item
+        go in one call. With several ranks in data mode each encodes its share and every rank caches all of the
+        step's embeddings; in weights mode every rank runs all of it, the tower's collectives inside."""
         if not work:
             return
         slices = [w for w in work if w.blocks is not None]
-        if slices and self.tp.world_size > 1:  # the scheduler plans slices only for one rank (EngineCore)
-            raise ValueError("a slice of the vision tower was planned for several tensor-parallel ranks")
-        for w in slices:
-            self._encode_slice(w)
         work = tuple(w for w in work if w.blocks is None)
+        if slices and self.tp.world_size > 1 and not self.shard_encoder:  # EngineCore plans none in data mode
+            raise ValueError("a slice of the vision tower was planned for ranks that split the work by whole groups")
+        if self.shard_encoder:  # every rank runs every block, the tower's collectives inside: all agree first
+            self._agree_on_encoder_inputs(encoder_runs(work), slices)
+        for w in slices:
+            self._encode_slice(w, checked=self.shard_encoder)
         if not work:
             return
         if self.tp.world_size == 1:
@@ -295,10 +299,8 @@ class ModelRunner:
                         key = (run.mm_input.mm_hash, group)
                         self.encoder_store.save(key, self.encoder_cache[key])
             return
-        if self.shard_encoder:  # weights mode: every rank runs every item, the tower's collectives inside
-            runs = encoder_runs(work)
-            self._agree_on_encoder_inputs(runs)
-            for run in runs:
+        if self.shard_encoder:  # weights mode: every rank runs every item (inputs agreed on above)
+            for run in encoder_runs(work):
                 self._cache_run(run, self._encode_run(run, checked=True))
             return
         shares = split_encoder_work(work, self.tp.world_size)
@@ -341,9 +343,9 @@ class ModelRunner:
                 self.encoder_cache[key] = embeds
         return tuple(to_encode)
 
-    def _agree_on_encoder_inputs(self, runs: list[EncoderRun]) -> None:
-        """Weights mode: every rank checks every run's inputs before the tower's first collective and
-        all learn whether any failed (one small all-gather), so a bad input fails the step alike."""
+    def _agree_on_encoder_inputs(self, runs: list[EncoderRun], slices: Sequence[EncoderWork] = ()) -> None:
+        """Weights mode: every rank checks the inputs of every run and slice before the tower's first collective
+        and all learn whether any failed (one small all-gather), so a bad input fails the step alike."""
         status = torch.zeros(1, dtype=torch.int32)
         try:
             if self.vision is None:
@@ -351,6 +353,8 @@ class ModelRunner:
             self.faults.check_encode(self.tp.rank)
             for run in runs:
                 run.mm_input.data.groups(run.first, run.first + run.count - 1)  # type: ignore[attr-defined]
+            for w in slices:
+                self._check_slice(w)
         except Exception:
             logger.exception("rank %d cannot encode the step's media", self.tp.rank)
             status[0] = 1
@@ -367,24 +371,37 @@ class ModelRunner:
         pixels, grid = run.mm_input.data.groups(run.first, run.first + run.count - 1)
         return self.vision.encode(pixels, grid)
 
-    def _encode_slice(self, work: EncoderWork) -> None:
-        """Run a slice of the tower's blocks over one temporal group: from its patches (the first slice) or
-        from the hidden states the previous slice left; the last slice caches the group's embeddings."""
+    def _check_slice(self, work: EncoderWork) -> None:
+        """Raises unless the slice can run here: a tower of its depth, and its group's patches (a first slice)
+        or its partial encode at the slice's first block."""
         assert work.blocks is not None
-        first, end, depth = work.blocks
+        first, _, depth = work.blocks
         key = (work.mm_input.mm_hash, work.group)
         if self.vision is None:
             raise ValueError("this model has no vision tower, but a request carries media")
         if depth != self.vision.depth:
             raise ValueError(f"a slice of a {depth}-block tower was planned for this {self.vision.depth}-block one")
-        self.faults.check_encode(self.tp.rank)
+        if first == 0:
+            work.mm_input.data.groups(work.group, work.group)  # type: ignore[attr-defined]
+        elif (state := self.partial_encodes.get(key)) is None or state.blocks_done != first:
+            done = None if state is None else state.blocks_done
+            raise ValueError(f"group {key} was planned from block {first}, but its partial encode is at {done}")
+
+    def _encode_slice(self, work: EncoderWork, checked: bool = False) -> None:
+        """Run a slice of the tower's blocks over one temporal group: from its patches (the first slice) or
+        from the hidden states the previous slice left; the last slice caches the group's embeddings.
+        `checked`: `_check_slice` and the fault hook already ran (weights mode, on every rank)."""
+        if not checked:
+            self._check_slice(work)
+            self.faults.check_encode(self.tp.rank)
+        assert work.blocks is not None and self.vision is not None
+        first, end, depth = work.blocks
+        key = (work.mm_input.mm_hash, work.group)
         state = self.partial_encodes.pop(key, None)
         if first == 0:  # a fresh start (an earlier partial encode of the group, if any, was abandoned)
             pixels, grid = work.mm_input.data.groups(work.group, work.group)  # type: ignore[attr-defined]
             state = self.vision.begin(pixels, grid)
-        elif state is None or state.blocks_done != first:
-            done = None if state is None else state.blocks_done
-            raise ValueError(f"group {key} was planned from block {first}, but its partial encode is at {done}")
+        assert state is not None
         self.vision.advance(state, end - first)
         if end == depth:
             self.encoder_cache[key] = self.vision.finish(state)

@@ -53,7 +53,8 @@ class RankPlan(msgspec.Struct, tag=True, array_like=True, frozen=True):
     num_scheduled_tokens: int
     new_requests: list[NewRequest]
     encoder_media: list[Media]  # every item named in encoder_work
-    encoder_work: list[tuple[str, int]]  # (mm_hash, group), in plan order
+    # (mm_hash, group, blocks), in plan order; blocks: a slice of the tower (weights mode only), else None
+    encoder_work: list[tuple[str, int, tuple[int, int, int] | None]]
     freed_encoder_keys: list[tuple[str, int]]
     finished_request_ids: list[str]
     preempted_request_ids: list[str]
@@ -154,7 +155,7 @@ class PlanEncoder:
                 for n in plan.new_requests
             ],
             list(media.values()),
-            [(w.mm_input.mm_hash, w.group) for w in plan.encoder_work],
+            [(w.mm_input.mm_hash, w.group, w.blocks) for w in plan.encoder_work],
             list(plan.freed_encoder_keys),
             sorted(plan.finished_request_ids),
             sorted(plan.preempted_request_ids),
@@ -163,8 +164,11 @@ class PlanEncoder:
         per_rank: list[list[Frame] | None] = [None] * self.world_size
         if not plan.encoder_work:
             return shared, per_rank
-        if self.shard_encoder:  # the same pixels (all of them) for every rank
-            frames = list(self._encoder.encode(RankPixels(_pixels(encoder_runs(plan.encoder_work)))))
+        if self.shard_encoder:  # the same pixels for every rank: all but those of slices that continue a group
+            starts = [w for w in plan.encoder_work if w.blocks is None or w.blocks[0] == 0]
+            if not starts:
+                return shared, per_rank
+            frames = list(self._encoder.encode(RankPixels(_pixels(encoder_runs(starts)))))
             return shared, [None] + [frames] * (self.world_size - 1)
         shares = split_encoder_work(plan.encoder_work, self.world_size)
         for rank in range(1, self.world_size):
@@ -217,7 +221,10 @@ class PlanDecoder:
                 )
                 for n in message.new_requests
             ),
-            encoder_work=tuple(EncoderWork(items.get((h, g), bare[h]), g) for h, g in message.encoder_work),
+            encoder_work=tuple(
+                EncoderWork(items.get((h, g), bare[h]), g, blocks=None if b is None else (b[0], b[1], b[2]))
+                for h, g, b in message.encoder_work
+            ),
             freed_encoder_keys=tuple(tuple(k) for k in message.freed_encoder_keys),  # type: ignore[misc]
             finished_request_ids=frozenset(message.finished_request_ids),
             preempted_request_ids=frozenset(message.preempted_request_ids),
