@@ -353,6 +353,28 @@ def test_each_rank_gets_the_pixels_of_its_runs_also_when_one_item_comes_as_sever
         assert torch.equal(got.mm_input.data.groups(got.first, last)[0], want.mm_input.data.groups(want.first, last)[0])
 
 
+def test_slices_cross_to_the_other_ranks_with_their_blocks_and_pixels_only_for_a_first_slice() -> None:
+    """Weights mode: a slice that starts a group and one that continues another cross with their blocks; only
+    the starting one's pixels are sent (the other rank continues its own partial encode)."""
+    from mmserve.encoders.vision import EncoderInput
+    from mmserve.engine.rank_plan import PlanDecoder, PlanEncoder
+    from mmserve.scheduler.output import SchedulerOutput
+
+    h = w = 4
+    video = MultiModalInput("v", PlaceholderRange(0, 16), "video", 4,
+                            EncoderInput(torch.arange(4 * h * w * 3.0).view(4 * h * w, 3), (4, h, w)))  # fmt: skip
+    work = (EncoderWork(video, 1, blocks=(2, 4, 4)), EncoderWork(video, 2, blocks=(0, 1, 4)))
+    shared, per_rank = PlanEncoder(2, shard_encoder=True).encode(SchedulerOutput((), 0, encoder_work=work))
+    decoder = PlanDecoder()
+    assert per_rank[1] is not None and decoder.decode(per_rank[1]) is None
+    decoded = decoder.decode(shared).encoder_work
+    assert [(x.group, x.blocks) for x in decoded] == [(1, (2, 4, 4)), (2, (0, 1, 4))]
+    assert decoded[0].mm_input.data is None  # a continuing slice: no pixels crossed
+    assert torch.equal(decoded[1].mm_input.data.groups(2, 2)[0], video.data.groups(2, 2)[0])
+    only_continuing = SchedulerOutput((), 0, encoder_work=work[:1])
+    assert PlanEncoder(2, shard_encoder=True).encode(only_continuing)[1] == [None, None]
+
+
 def test_encoder_work_splits_in_order_balanced_by_tokens() -> None:
     one = [EncoderWork(_item("a", 64), 0)]
     assert [len(s) for s in split_encoder_work(one, 2)] == [1, 0]  # more ranks than images: one idles
