@@ -98,7 +98,9 @@ def test_meets_and_phase_metrics() -> None:
     ]
     m = phase_metrics(pairs, 2.0, cfg)
     assert m[INTERACTIVE]["slo_attainment"] == pytest.approx(0.25)
-    assert m[INTERACTIVE]["goodput_rps"] == pytest.approx(0.5)
+    # Over the chats' span (0 to 0.21 s), not the phase's 2 s that the batch job's tail sets.
+    assert m[INTERACTIVE]["span_s"] == pytest.approx(0.21)
+    assert m[INTERACTIVE]["goodput_rps"] == pytest.approx(1 / 0.21)
     assert m[INTERACTIVE]["failed"] == 1
     assert m[BATCH]["throughput_tok_s"] == pytest.approx(50.0)  # (90 + 10) tokens / 2 s
 
