@@ -357,6 +357,7 @@ def test_slices_cross_to_the_other_ranks_with_their_blocks_and_pixels_only_for_a
     """Weights mode: a slice that starts a group and one that continues another cross with their blocks; only
     the starting one's pixels are sent (the other rank continues its own partial encode)."""
     from mmserve.encoders.vision import EncoderInput
+    from mmserve.engine.encoder_split import encoder_runs
     from mmserve.engine.rank_plan import PlanDecoder, PlanEncoder
     from mmserve.scheduler.output import SchedulerOutput
 
@@ -373,6 +374,18 @@ def test_slices_cross_to_the_other_ranks_with_their_blocks_and_pixels_only_for_a
     assert torch.equal(decoded[1].mm_input.data.groups(2, 2)[0], video.data.groups(2, 2)[0])
     only_continuing = SchedulerOutput((), 0, encoder_work=work[:1])
     assert PlanEncoder(2, shard_encoder=True).encode(only_continuing)[1] == [None, None]
+    # A slice that starts a group between two whole groups of another item: the runner merges the whole ones
+    # into one run (slices apart), so their pixels must cross as that run.
+    image = MultiModalInput("x", PlaceholderRange(0, 4), "image", 1,
+                            EncoderInput(-torch.arange(h * w * 3.0).view(h * w, 3), (1, h, w)))  # fmt: skip
+    work = (EncoderWork(video, 0), EncoderWork(image, 0, blocks=(0, 2, 4)), EncoderWork(video, 1))
+    shared, per_rank = PlanEncoder(2, shard_encoder=True).encode(SchedulerOutput((), 0, encoder_work=work))
+    decoder = PlanDecoder()
+    assert decoder.decode(per_rank[1]) is None
+    decoded = decoder.decode(shared).encoder_work
+    (run,) = encoder_runs([x for x in decoded if x.blocks is None])
+    assert torch.equal(run.mm_input.data.groups(0, 1)[0], video.data.groups(0, 1)[0])
+    assert torch.equal(decoded[1].mm_input.data.groups(0, 0)[0], image.data.groups(0, 0)[0])
 
 
 def test_encoder_work_splits_in_order_balanced_by_tokens() -> None:

@@ -154,8 +154,13 @@ def length_forcing(base_url: str, model: str) -> str:
     probe = Request(user("Say something."), 2)
     answers = []
     for forcing in LENGTH_FORCINGS:
-        r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, **probe.body(forcing)}, timeout=120)
-        tokens = (r.json().get("usage") or {}).get("completion_tokens") if r.status_code == 200 else None
+        try:
+            r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, **probe.body(forcing)}, timeout=120)
+            body = r.json() if r.status_code == 200 else None
+            tokens = (body.get("usage") or {}).get("completion_tokens") if isinstance(body, dict) else None
+        except (httpx.HTTPError, ValueError) as exc:  # unreachable, or an answer that is not JSON
+            answers.append(f"{forcing}: {type(exc).__name__}: {exc}")
+            continue
         if tokens == probe.output_len:
             return forcing
         answers.append(f"{forcing}: HTTP {r.status_code}, {tokens} tokens, {r.text[:120]!r}")

@@ -150,7 +150,8 @@ def bench_serve(model: Path | None, cfg: ServeBenchConfig, *, api_key: str | Non
         "no_chunk_max_num_batched_tokens": engine_kwargs["max_num_batched_tokens"] if cfg.compare_no_chunk else None,
     }
     chunk_vs_no_chunk = _chunk_comparison(results, cfg.transports[0]) if cfg.compare_no_chunk else None
-    peer_ratios = {name: _peer_comparison(rounds["http"], rounds[f"{name}/http"]) for name, _ in peers}
+    peer_ratios = {name: _peer_comparison(rounds["http"], rounds[f"{name}/http"], raw["http"], raw[f"{name}/http"])
+                   for name, _ in peers}  # fmt: skip
     return {"config": config, "results": results, "offline": offline, "chunk_vs_no_chunk": chunk_vs_no_chunk,
             "peers": peer_ratios or None, "requests": raw}  # fmt: skip
 
@@ -174,17 +175,17 @@ def _run(server: dict[str, Any], transport: str, requests: list[Request], cfg: S
     return timings, figures
 
 
-def _peer_comparison(ours: list[dict], theirs: list[dict]) -> dict:
+def _peer_comparison(ours: list[dict], theirs: list[dict], ours_raw: list[dict], theirs_raw: list[dict]) -> dict:
     """mmserve's figures over a peer's, round by round (the same requests in each round) and their
-    medians: above 1 means mmserve moved more tokens / took longer."""
+    medians: above 1 means mmserve moved more tokens / took longer. `*_raw`: each request's timing, every
+    round's, in the same order on both."""
     out: dict[str, Any] = {}
     for name in _PEER_FIGURES:
         per_round = [a[name] / b[name] for a, b in zip(ours, theirs, strict=True) if a.get(name) and b.get(name)]
         out[f"{name}_mmserve_over_peer"] = statistics.median(per_round) if per_round else None
         out[f"{name}_mmserve_over_peer_rounds"] = per_round
-    # Forced lengths: every round's output token count equal, or the throughputs compare different work.
-    out["output_tokens_equal"] = all(a["total_output_tokens"] == b["total_output_tokens"]
-                                     for a, b in zip(ours, theirs, strict=True))  # fmt: skip
+    # Forced lengths: every request's output token count equal, or the throughputs compare different work.
+    out["output_tokens_equal"] = [r["output_tokens"] for r in ours_raw] == [r["output_tokens"] for r in theirs_raw]
     return out
 
 

@@ -43,14 +43,12 @@ def phase_metrics(pairs: list[tuple[Request, RequestTiming]], duration_s: float,
         m["tokens"] = sum(t.prompt_tokens + t.output_tokens for t in ok)
         m["output_tokens"] = sum(t.output_tokens for t in ok)
         if name == INTERACTIVE:
-            # vLLM's goodput rule: TBT is judged on the request's TPOT (one token: 0). Over the chats' own span
-            # (first sent to last finished), not the phase's: a policy that leaves batch work for later would
-            # otherwise see its chats' goodput divided by the time its backlog takes to drain.
+            # vLLM's goodput rule: TBT is judged on the request's TPOT (one token: 0). Per second of the chats'
+            # arrival window, the same for every policy: not of the phase, whose end the batch backlog's tail
+            # sets (a policy that leaves batch work for later would see its chats' goodput divided by it).
             good = sum(meets_slos(t, {"ttft": cfg.ttft_ms, "tpot": cfg.tbt_ms}) for t in timings)
-            span_s = max(t.end_s for t in timings) - min(t.start_s for t in timings) if timings else 0.0
             m["slo_attainment"] = good / len(timings) if timings else None
-            m["goodput_rps"] = good / max(span_s, 1e-9)
-            m["span_s"] = span_s
+            m["goodput_rps"] = good / cfg.duration_s
         else:
             # Batch work is served when it is done: its rate is what it moved over the phase.
             m["throughput_tok_s"] = m["tokens"] / rate_s

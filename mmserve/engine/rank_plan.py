@@ -165,10 +165,13 @@ class PlanEncoder:
         if not plan.encoder_work:
             return shared, per_rank
         if self.shard_encoder:  # the same pixels for every rank: all but those of slices that continue a group
-            starts = [w for w in plan.encoder_work if w.blocks is None or w.blocks[0] == 0]
-            if not starts:
+            # Runs as the runner forms them: of the whole groups, and apart, of the slices that start a group.
+            whole = [w for w in plan.encoder_work if w.blocks is None]
+            starts = [w for w in plan.encoder_work if w.blocks is not None and w.blocks[0] == 0]
+            if not whole and not starts:
                 return shared, per_rank
-            frames = list(self._encoder.encode(RankPixels(_pixels(encoder_runs(starts)))))
+            pixels = _pixels(encoder_runs(whole)) + _pixels(encoder_runs(starts))
+            frames = list(self._encoder.encode(RankPixels(pixels)))
             return shared, [None] + [frames] * (self.world_size - 1)
         shares = split_encoder_work(plan.encoder_work, self.world_size)
         for rank in range(1, self.world_size):
