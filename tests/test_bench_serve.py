@@ -7,10 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import psutil
 import pytest
 
 from mmserve.cli import main
+from tests.test_engine_process import free_port, wait_healthy
 
 METRICS = [
     f"{stat}_{name}_ms"
@@ -198,11 +197,7 @@ def test_bench_serve_long_video_chunked_against_no_chunk(
 def transformers_serve(model: Path) -> Iterator[str]:
     """`transformers serve` (transformers' own OpenAI-compatible server, a child process) preloading `model`
     on loopback; yields its base URL; the child is reaped on leaving."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     entry = "from transformers.cli.transformers import main; main()"
     child = subprocess.Popen([sys.executable, "-c", entry, "serve", "--host", "127.0.0.1", "--port", str(port),
                               "--device", "cpu", str(model)],
@@ -210,14 +205,7 @@ def transformers_serve(model: Path) -> Iterator[str]:
                              stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert child.poll() is None, "transformers serve exited before it served"
-            assert time.monotonic() < deadline, "transformers serve did not come up within 180 s"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
+        wait_healthy(child, url, 180)
         yield url
     finally:
         child.terminate()

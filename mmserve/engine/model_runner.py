@@ -283,8 +283,9 @@ class ModelRunner:
         work = tuple(w for w in work if w.blocks is None)
         if slices and self.tp.world_size > 1 and not self.shard_encoder:  # EngineCore plans none in data mode
             raise ValueError("a slice of the vision tower was planned for ranks that split the work by whole groups")
+        runs = encoder_runs(work) if self.shard_encoder else []
         if self.shard_encoder:  # every rank runs every block, the tower's collectives inside: all agree first
-            self._agree_on_encoder_inputs(encoder_runs(work), slices)
+            self._agree_on_encoder_inputs(runs, slices)
         for w in slices:
             self._encode_slice(w, checked=self.shard_encoder)
         if not work:
@@ -300,7 +301,7 @@ class ModelRunner:
                         self.encoder_store.save(key, self.encoder_cache[key])
             return
         if self.shard_encoder:  # weights mode: every rank runs every item (inputs agreed on above)
-            for run in encoder_runs(work):
+            for run in runs:
                 self._cache_run(run, self._encode_run(run, checked=True))
             return
         shares = split_encoder_work(work, self.tp.world_size)

@@ -224,10 +224,7 @@ class PlanDecoder:
                 )
                 for n in message.new_requests
             ),
-            encoder_work=tuple(
-                EncoderWork(items.get((h, g), bare[h]), g, blocks=None if b is None else (b[0], b[1], b[2]))
-                for h, g, b in message.encoder_work
-            ),
+            encoder_work=tuple(EncoderWork(items.get((h, g), bare[h]), g, blocks=b) for h, g, b in message.encoder_work),
             freed_encoder_keys=tuple(tuple(k) for k in message.freed_encoder_keys),  # type: ignore[misc]
             finished_request_ids=frozenset(message.finished_request_ids),
             preempted_request_ids=frozenset(message.preempted_request_ids),
