@@ -68,10 +68,12 @@ def compatibility_hash(num_layers: int, num_kv_heads: int, head_dim: int, kv_cac
 
 
 class SideChannel:
-    """A thread answering vLLM's handshake on a ZeroMQ ROUTER socket with this instance's payload."""
+    """A thread answering vLLM's handshake on a ZeroMQ ROUTER socket with this instance's payload. The port is
+    bound at construction, before the NIXL agent exists (its UCX listeners take ephemeral ports, one of which
+    could be the side channel's), and answered from `serve(payload)` on, once the agent's metadata is known."""
 
-    def __init__(self, host: str, port: int, payload: bytes) -> None:
-        self._payload = payload
+    def __init__(self, host: str, port: int) -> None:
+        self._payload = b""
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -82,6 +84,10 @@ class SideChannel:
             raise OSError(f"the NIXL side channel cannot listen on {host}:{port} ({exc})") from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="nixl-side-channel", daemon=True)
+
+    def serve(self, payload: bytes) -> None:
+        """Answer handshakes with `payload` from now on (requests that came earlier wait in the socket)."""
+        self._payload = payload
         self._thread.start()
 
     def _serve(self) -> None:
@@ -103,6 +109,9 @@ class SideChannel:
         self._socket.close()
 
     def close(self) -> None:
+        if self._thread.ident is None:  # never served: the socket is still ours to close
+            self._socket.close()
+            return
         self._stop.set()
         self._thread.join(timeout=2.0)
 
@@ -154,14 +163,24 @@ class NixlKVWorker:
     def __init__(
         self, kv_caches: list[torch.Tensor], block_size: int, engine_id: str, config: KVTransferConfig
     ) -> None:
+        self.engine_id = engine_id
+        self.side_channel_port = config.side_channel_port
+        self._side_channel = SideChannel(config.side_channel_host, config.side_channel_port)
+        try:
+            self._start(kv_caches, block_size, config)
+        except BaseException:
+            self._side_channel.close()
+            raise
+
+    def _start(self, kv_caches: list[torch.Tensor], block_size: int, config: KVTransferConfig) -> None:
+        """The agent, its registered pool and the side channel's payload (the port is already bound)."""
         from nixl._api import (  # only an instance that disaggregates needs it
             nixl_agent,
             nixl_agent_config,
             nixl_thread_sync_t,
         )
 
-        self.engine_id = engine_id
-        self.side_channel_port = config.side_channel_port
+        engine_id = self.engine_id
         self.block_size = block_size
         self.timeout_s = config.kv_load_timeout
         first = kv_caches[0]  # [2, num_blocks, block_size, num_kv_heads, head_dim] per layer
@@ -209,8 +228,7 @@ class NixlKVWorker:
             block_size=block_size,
         )
         payload = NixlHandshakePayload(self.compat, msgspec.msgpack.encode(metadata))
-        self._side_channel = SideChannel(config.side_channel_host, config.side_channel_port,
-                                         msgspec.msgpack.encode(payload))  # fmt: skip
+        self._side_channel.serve(msgspec.msgpack.encode(payload))
         self._handshaker = ThreadPoolExecutor(1, thread_name_prefix="nixl-handshake")
         self._remotes: dict[str, _Remote] = {}  # engine id -> its agent, once the handshake is done
         self._handshakes: dict[str, Future[bytes]] = {}
