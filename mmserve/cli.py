@@ -235,6 +235,19 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "their largest magnitude) instead of the checkpoint's or 1.0",
     )
     serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly instead of replaying decode steps from CUDA graphs",
+    )
+    serve.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the decode batch sizes captured as CUDA graphs (default: 1 2 4 and every multiple of 8 up to "
+        "--max-num-seqs, at most 512); a larger decode batch runs eagerly",
+    )
+    serve.add_argument(
         "--quant-compute",
         default=None,
         choices=list(QUANT_COMPUTE_CHOICES),
@@ -405,6 +418,8 @@ def _serve(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales,
             quant_compute=args.quant_compute,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
             max_model_len=args.max_model_len,
             scheduler_policy=args.scheduler_policy,
             enable_prefix_caching=not args.no_prefix_caching,

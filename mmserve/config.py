@@ -376,6 +376,11 @@ class EngineArgs:
     # A quantized checkpoint's compute path: "auto", "dequantized" (full weights at load) or "native" (codes kept);
     # None: $MMSERVE_QUANT_COMPUTE, else auto. See models/quant/linear.py.
     quant_compute: str | None = None
+    # Decode steps: replayed from CUDA graphs captured per batch size on a CUDA device with the Triton attention
+    # (engine/decode_graphs.py), unless enforce_eager; the sizes captured (None: 1, 2, 4, then multiples of 8
+    # up to max_num_seqs, at most 512), as vLLM's --enforce-eager / --cuda-graph-sizes.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"
     max_model_len: int | None = None
@@ -440,6 +445,15 @@ class EngineArgs:
         for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and not (
+            isinstance(sizes, (tuple, list))
+            and sizes
+            and all(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 512 for s in sizes)
+        ):
+            raise InvalidRequestError(
+                f"cuda_graph_sizes: must be batch sizes in 1..512, got {sizes!r}", param="cuda_graph_sizes"
+            )
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise InvalidRequestError(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mmserve.config import CacheConfig, EngineArgs, SchedulerConfig
+from mmserve.engine.decode_graphs import default_capture_sizes
 from mmserve.engine.device import resolve_device, resolve_dtype
 from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.executor import Executor, InProcessExecutor
@@ -115,6 +116,8 @@ class EngineCore:
                 kv_cache_dtype=self.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                 quant_compute=args.quant_compute, encoder_store=self._encoder_store,
                 store_encoder_outputs=args.ec_transfer_config is not None and args.ec_transfer_config.is_producer,
+                enforce_eager=args.enforce_eager, max_model_len=self.max_model_len,
+                cuda_graph_sizes=args.cuda_graph_sizes or default_capture_sizes(args.max_num_seqs),
             )  # fmt: skip
             kv_worker = None
             if self.kv_transfer_config is not None:
@@ -150,6 +153,7 @@ class EngineCore:
         return self.scheduler_config.max_model_len
 
     def info(self) -> EngineInfo:
+        graph_mode, graph_sizes, _ = self.executor.decode_graphs()
         block_bytes = ModelRunner.kv_bytes_per_block(
             self.model_config, self.args.block_size, self.kv_cache_dtype, self.tensor_parallel_size
         )
@@ -167,6 +171,8 @@ class EngineCore:
             tensor_parallel_size=self.tensor_parallel_size,
             weight_bytes=self.executor.weight_bytes(),
             disaggregation=self._disaggregation(),
+            decode_graph_mode=graph_mode,
+            decode_graph_sizes=graph_sizes,
         )
 
     def _disaggregation(self) -> str | None:

@@ -36,6 +36,11 @@ class Executor(Protocol):
     def attention_backend(self) -> str:
         ...
 
+    def decode_graphs(self) -> tuple[str, tuple[int, ...], dict[int, int]]:
+        """The first rank's decode graphs: (mode "off" | "static" | "cuda", the captured batch sizes, steps
+        replayed at each size so far)."""
+        ...
+
     def weight_bytes(self) -> int:
         """Bytes of model weights each rank holds (the first rank's)."""
         ...
@@ -83,6 +88,9 @@ class InProcessExecutor:
 
     def attention_backend(self) -> str:
         return self._runner.backend.name
+
+    def decode_graphs(self) -> tuple[str, tuple[int, ...], dict[int, int]]:
+        return self._runner.decode_graph_summary()
 
     def weight_bytes(self) -> int:
         return self._runner.weight_bytes()

@@ -77,6 +77,8 @@ class EngineInfo:
     kv_cache_dtype: str = "float32"  # fp8_e4m3, fp8_e5m2, or the compute dtype's name
     # Disaggregation: "<kv_role> as engine <engine_id>, NIXL side channel on <host>:<port>"; None: off.
     disaggregation: str | None = None
+    decode_graph_mode: str = "off"  # "cuda": decode steps replayed from CUDA graphs; "static": the test mode
+    decode_graph_sizes: tuple[int, ...] = ()  # the batch sizes captured
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -108,4 +110,6 @@ class EngineInfo:
             f"{self._per_rank}; max_model_len {self.max_model_len}: "
             f"{self.max_concurrency:.2f}x concurrency at full length"
             + (f"; disaggregation: {self.disaggregation}" if self.disaggregation else "")
+            + (f"; decode graphs ({self.decode_graph_mode}) at {len(self.decode_graph_sizes)} batch sizes "
+               f"{self.decode_graph_sizes[0]}-{self.decode_graph_sizes[-1]}" if self.decode_graph_sizes else "")
         )

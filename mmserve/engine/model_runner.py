@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from mmserve.config import SchedulerConfig
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.encoders.vision import PartialEncode, VisionTower
+from mmserve.engine.decode_graphs import DecodeGraphs, choose_mode, default_capture_sizes
 from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
@@ -75,6 +77,9 @@ class ModelRunner:
         quant_compute: str | None = None,
         encoder_store: SharedEncoderStore | None = None,
         store_encoder_outputs: bool = False,
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        cuda_graph_sizes: tuple[int, ...] | None = None,
     ) -> None:
         """`mm_encoder_tp_mode` (several ranks): "data", the tower replicated and the step's media split
         over the ranks; "weights", the tower sharded like the decoder and every item encoded by all.
@@ -83,7 +88,10 @@ class ModelRunner:
         `quant_compute`: a quantized checkpoint's compute path, auto | dequantized | native (None:
         $MMSERVE_QUANT_COMPUTE, else auto; models/quant/linear.py).
         `encoder_store`: encoder disaggregation's shared directory (one rank only): groups planned as loads come
-        from it; `store_encoder_outputs` (an encoder instance): every group this runner encodes goes into it."""
+        from it; `store_encoder_outputs` (an encoder instance): every group this runner encodes goes into it.
+        `enforce_eager`: no decode graphs; else they are captured at `cuda_graph_sizes` where they can run
+        (`engine/decode_graphs.py`; None: the default sizes for the scheduler's default max_num_seqs), for
+        contexts up to `max_model_len` (None: the checkpoint's positions)."""
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
@@ -105,6 +113,10 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or dtype
         if calculate_kv_scales:
             self.model.calibrate_kv_scales()
+        blockers = self._decode_graph_blockers(calculate_kv_scales)
+        self.decode_graph_mode = choose_mode(torch.device(device), enforce_eager, blockers)
+        # With decode graphs, one more block than the plans use: the pad rows' scratch block (its id: num_blocks).
+        shape = (2, num_blocks + (self.decode_graph_mode != "off"), *shape[2:])
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=device) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
         self.requests = RequestStates()  # what the plans so far have sent of each running request
@@ -121,6 +133,45 @@ class ModelRunner:
         self.faults = FaultInjector.from_env()  # test hook; inert unless armed
         self.encoder_store = encoder_store
         self.store_encoder_outputs = store_encoder_outputs and encoder_store is not None
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.decode_graph_mode != "off":
+            self.decode_graphs = self._capture_decode_graphs(num_blocks, max_model_len or cfg.max_position_embeddings,
+                                                             cuda_graph_sizes)  # fmt: skip
+
+    def _decode_graph_blockers(self, calculate_kv_scales: bool) -> list[str]:
+        """Why this runner's decode steps cannot be captured as graphs (none: they can)."""
+        blockers = []
+        if self.backend.decode_graph_metadata is None:
+            blockers.append(f"the {self.backend.name} attention plans from host lists (graphs need triton's)")
+        if self.tp.world_size > 1:
+            blockers.append("tensor parallelism (its collectives are not captured yet)")
+        if self.cfg.moe_layers:
+            blockers.append("MoE layers (their expert routing is not checked for capture)")
+        if calculate_kv_scales:
+            blockers.append("FP8 KV scales calibrated from the first step (a capture would calibrate on pads)")
+        return blockers
+
+    def _capture_decode_graphs(self, num_blocks: int, max_model_len: int, sizes: tuple[int, ...] | None) -> DecodeGraphs:
+        metadata = self.backend.decode_graph_metadata
+        assert metadata is not None
+        cfg, start = self.cfg, time.perf_counter()
+
+        def graph_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> object:
+            return metadata(query_start_loc, seq_lens, cfg.num_heads, cfg.num_kv_heads, max_model_len)
+
+        graphs = DecodeGraphs(
+            lambda batch: self.model(batch, self.kv_caches),
+            graph_metadata,
+            mode=self.decode_graph_mode,
+            sizes=sizes or default_capture_sizes(SchedulerConfig.max_num_seqs),
+            max_blocks_per_seq=-(-max_model_len // self.block_size),
+            scratch_block=num_blocks,
+            block_size=self.block_size,
+            device=torch.device(self.device),
+        )
+        logger.info("decode graphs (%s) at batch sizes %s in %.1f s", self.decode_graph_mode,
+                    ", ".join(map(str, graphs.sizes)), time.perf_counter() - start)  # fmt: skip
+        return graphs
 
     @staticmethod
     def kv_bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -156,6 +207,11 @@ class ModelRunner:
             raise StepFault(touched, exc) from exc
         except Exception as exc:  # with several ranks, they may now be at different collectives
             raise StepFault(touched, exc, ranks_agree=self.tp.world_size == 1) from exc
+
+    def decode_graph_summary(self) -> tuple[str, tuple[int, ...], dict[int, int]]:
+        """(mode, captured batch sizes, steps replayed at each size so far); ("off", (), {}) without graphs."""
+        graphs = self.decode_graphs
+        return (self.decode_graph_mode, graphs.sizes, dict(graphs.replays)) if graphs else ("off", (), {})
 
     def reset_encoder_cache(self) -> None:
         self.encoder_cache.clear()
@@ -228,7 +284,12 @@ class ModelRunner:
         forward_start = time.perf_counter()
         batch = self._prepare(views, rows)
         embeds, deepstack = self._embeddings(views, batch)
-        hidden = self.model(batch, self.kv_caches, embeds, deepstack)  # [num_tokens, hidden]
+        graphs = self.decode_graphs if embeds is None and deepstack is None else None
+        size = graphs.size_for(batch) if graphs is not None else None
+        if graphs is not None and size is not None:  # a pure-decode step: replayed at the next captured size
+            hidden = graphs.run(batch, size)  # [num_tokens, hidden]
+        else:
+            hidden = self.model(batch, self.kv_caches, embeds, deepstack)  # [num_tokens, hidden]
         sampled = [v for v in views if v.scheduled.sample]
         # [num_sampled, vocab] fp32 on the first rank; None on the others (and when nothing samples)
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampled else None
@@ -501,7 +562,7 @@ class ModelRunner:
                 pos[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
         pos = pos.to(dev)
         tables = torch.tensor(block_tables, dtype=torch.long, device=dev)
-        build_decodes = self.backend.decode_rows  # None: this backend's attention does not read them
+        build_metadata = self.backend.step_metadata  # None: this backend's attention builds its own per layer
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos,
@@ -510,5 +571,5 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            decodes=None if build_decodes is None else build_decodes(tables, query_start_loc, seq_lens),
+            attention_metadata=None if build_metadata is None else build_metadata(tables, query_start_loc, seq_lens),
         )

@@ -269,6 +269,9 @@ class MultiRankExecutor:
     def attention_backend(self) -> str:
         return self._runner.backend.name
 
+    def decode_graphs(self) -> tuple[str, tuple[int, ...], dict[int, int]]:
+        return self._runner.decode_graph_summary()
+
     def weight_bytes(self) -> int:
         return self._runner.weight_bytes()
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.kernels import cpu_attention, cpu_fused, moe, quant, reference
+from mmserve.kernels.launch_plan import LaunchPlan
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -25,9 +26,14 @@ class AttentionBackend:
     name: str
     store_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
-    # reference.decode_rows where paged_attention reads a step's DecodeRows (built once per step by the runner);
-    # None where it does not (triton plans decodes and chunks in one launch), so nothing builds them
-    decode_rows: Callable[..., reference.DecodeRows] | None = None
+    # (block_tables, query_start_loc, seq_lens) -> the step's attention metadata (ForwardBatch's), built once per
+    # step by the runner: reference.decode_rows for torch and cpu; None for triton, whose per-step plan is cached
+    # on the host lists in the first layer's call
+    step_metadata: Callable[..., reference.DecodeRows] | None = None
+    # (query_start_loc, seq_lens, num_heads, num_kv_heads, max_seq_len) -> the metadata of a pure-decode batch
+    # over static device buffers, which a captured graph replays (`engine/decode_graphs.py`); None: this
+    # backend's attention reads host lists, so its decodes cannot be captured
+    decode_graph_metadata: Callable[..., LaunchPlan] | None = None
 
 
 def _chosen(variable: str, default: str, choices: tuple[str, ...]) -> str:
@@ -84,7 +90,8 @@ def _triton_backend(device: torch.device) -> AttentionBackend:
 
     consistent = triton_attention.CONSISTENT and triton_cache.INTERPRETED == triton_attention.INTERPRETED
     _check_triton_kernels("MMSERVE_ATTENTION_BACKEND", device, consistent, triton_attention.INTERPRETED)
-    return AttentionBackend("triton", triton_cache.store_kv_cache, triton_attention.paged_attention)
+    return AttentionBackend("triton", triton_cache.store_kv_cache, triton_attention.paged_attention,
+                            decode_graph_metadata=triton_attention.decode_graph_plan)  # fmt: skip
 
 
 MOE_BACKENDS = ("torch", "triton")

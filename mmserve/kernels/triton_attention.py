@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from mmserve.kernels import fp8
-from mmserve.kernels.reference import DecodeRows
+from mmserve.kernels.launch_plan import LaunchPlan
 
 # Query-tile rows (tokens x heads of a KV group): the smallest `tl.dot` M for pure-decode launches, a larger
 # one when any sequence brings a chunk (fp32 on a GPU keeps the small one: its exact dots spill otherwise).
@@ -237,20 +237,6 @@ CONSISTENT: bool = isinstance(tl.zeros, JITFunction) != INTERPRETED
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """Device metadata and query tiling of one batch, shared by every layer of a step."""
-
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    work_seq: torch.Tensor  # [num_work] int32, longest key range first (so the tail of the grid is short)
-    work_tile: torch.Tensor  # [num_work] int32
-    num_work: int
-    block_m: int
-    block_q: int  # query tokens per tile: block_m // group
-    num_splits: int
-
-
-@dataclass(frozen=True)
 class TileConfig:
     block_n: int  # keys per inner-loop step (a step may span several cache blocks)
     num_warps: int
@@ -321,6 +307,24 @@ def make_launch_plan(
     return LaunchPlan(qsl, lens, rest[:num_work], rest[num_work:], num_work, block_m, block_q, num_splits)
 
 
+def decode_graph_plan(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int, max_seq_len: int
+) -> LaunchPlan:
+    """The launch plan of a pure-decode batch whose metadata lives in the caller's device buffers, rewritten
+    before each replay of a captured graph: query_start_loc [num_seqs + 1] int32 (0, 1, ..., num_seqs) and
+    seq_lens [num_seqs] int32. Every sequence is one query row and one tile, in batch order; the key split is
+    fixed by the batch size and the longest context the engine allows (a shorter one leaves splits empty,
+    whose weight in the reduce is exactly 0), so nothing in the launch depends on the step's lengths."""
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    block_m = max(_DECODE_BLOCK_M, triton.next_power_of_2(group))
+    device = seq_lens.device
+    work_seq = torch.arange(num_seqs, dtype=torch.int32, device=device)
+    work_tile = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+    num_splits = choose_num_splits(num_seqs * num_kv_heads, max_seq_len, _num_sms(device))
+    return LaunchPlan(query_start_loc, seq_lens, work_seq, work_tile, num_seqs, block_m, block_m // group, num_splits)
+
+
 def _exact_fp32(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """fp32 operands in "ieee" dots: fp32 batches (parity with the reference), and always in the interpreter."""
     return INTERPRETED or query.dtype == torch.float32 or kv_cache.dtype == torch.float32
@@ -352,7 +356,7 @@ def paged_attention(
     seq_lens: list[int],
     scale: float,
     kv_scales: torch.Tensor | None = None,
-    decodes: DecodeRows | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch over the paged cache (which already holds the new K/V).
 
@@ -360,11 +364,12 @@ def paged_attention(
     query_start_loc[i] : query_start_loc[i + 1], the last of its seq_lens[i] context tokens.
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks] int64.
     kv_scales: [2, num_kv_heads] fp32, read by an FP8 cache only (None: ones).
-    Returns [num_tokens, num_heads, head_dim] in query's dtype. `decodes` (reference.paged_attention's
-    signature) is not read: the launch plan below covers decodes and prefill chunks in one grid.
+    Returns [num_tokens, num_heads, head_dim] in query's dtype. `plan` (in the place of reference's `decodes`):
+    a launch plan over device buffers (`decode_graph_plan`), read instead of the host lists; None: planned
+    from the host lists (cached per step), decodes and prefill chunks in one grid.
     """
     args = (query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
-    return paged_attention_with(*args, kv_scales=kv_scales)
+    return paged_attention_with(*args, kv_scales=kv_scales, plan=plan)
 
 
 def paged_attention_with(
@@ -378,10 +383,11 @@ def paged_attention_with(
     kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the tiling exposed for tests and benchmarks: `num_splits` forces the
     split-KV path (>1) or the single pass (1), None lets the SM count decide; `block_n` overrides the
-    keys per inner step (a power of two >= 16)."""
+    keys per inner step (a power of two >= 16); `plan`, when given, is launched as it is (its own splits)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if num_heads % num_kv_heads:
@@ -390,7 +396,8 @@ def paged_attention_with(
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    plan = launch_plan(query, kv_cache, query_start_loc, seq_lens, num_splits=num_splits)
+    if plan is None:
+        plan = launch_plan(query, kv_cache, query_start_loc, seq_lens, num_splits=num_splits)
     kv_fp8 = _FP8_CODES.get(kv_cache.dtype, 0)
     if kv_fp8:
         if kv_scales is None:

@@ -153,7 +153,7 @@ class Attention(nn.Module):
         self.backend.store_kv_cache(k, v, kv_cache, batch.slot_mapping, self.kv_scales)
         out = self.backend.paged_attention(
             q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, self.scale, self.kv_scales,
-            batch.decodes,
+            batch.attention_metadata,
         )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.kernels.launch_plan import LaunchPlan
 from mmserve.kernels.reference import DecodeRows
 
 
@@ -22,8 +23,9 @@ class ForwardBatch:
     # Host-side copies, so kernels that loop over sequences never sync with the device.
     query_start_loc: list[int]  # [num_seqs + 1]: sequence i owns token rows [q[i], q[i + 1])
     seq_lens: list[int]  # [num_seqs]: context length after this step (cached + new tokens)
-    # The sequences with one query row, gathered once for every layer's attention (None: each finds them)
-    decodes: DecodeRows | None = None
+    # What the attention backend reads beside the lists, built once for every layer of the step (None: each
+    # layer's call builds its own): the decodes' rows (torch, cpu) or a launch plan over device buffers (triton).
+    attention_metadata: DecodeRows | LaunchPlan | None = None
 
     @property
     def num_tokens(self) -> int:
