@@ -9,7 +9,7 @@ SERVED_MODEL_NAME ?= $(notdir $(patsubst %/,%,$(MODEL)))
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test serve test lint soak
+.PHONY: install install-test serve test lint soak gpu-wheels
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -40,3 +40,10 @@ test: install-test lint
 SOAK_S ?= 180
 soak: install
 	$(PY) -m tests.soak --duration-s $(SOAK_S)
+
+# Wheels (Python 3.12, x86-64) of the packages mmserve imports that the lent GPU machine's image lacks, for
+# scripts/gpu_checks.sh there (carried as .whl).
+GPU_WHEEL_PLATFORMS := $(foreach p,2014 _2_17 _2_28 _2_31,--platform manylinux$(p)_x86_64)
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_WHEEL_PLATFORMS) -d .whl av==18.1.0 msgspec==0.23.0 pyzmq==27.3.0 llguidance==1.9.1

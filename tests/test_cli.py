@@ -92,3 +92,7 @@ def test_bench_throughput_quick_run(tiny_model_dir: Callable[[str], Path], tmp_p
         for s in SYSTEMS
         if s.startswith("mmserve") and s != "mmserve-structured"  # constrained: other tokens by design
     )
+    # mmserve-eager against mmserve: no decode graphs off CUDA either way, so the bench says so and times both.
+    graphs = {s: report["systems"][s]["decode_graphs"] for s in ("mmserve", "mmserve-eager")}
+    assert graphs["mmserve"] == graphs["mmserve-eager"] == {"mode": "off", "sizes": [], "replayed_steps": 0}
+    assert report["decode_graphs_speedup"] > 0

@@ -144,7 +144,7 @@ class BenchConfig:
 
 
 # Systems `mmserve bench throughput` compares (torch-free here so the CLI can list them cheaply).
-SYSTEMS = ("mmserve", "mmserve-no-chunk", "mmserve-static", "mmserve-structured", "hf-static", "hf-cb")
+SYSTEMS = ("mmserve", "mmserve-no-chunk", "mmserve-static", "mmserve-structured", "mmserve-eager", "hf-static", "hf-cb")
 WORKLOADS = ("random", "random-mm", "prefix", "long-video")
 ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")  # vllm-router's, as `bench router` compares them
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 MMSERVE_SYSTEMS = {
     "mmserve": ("fcfs", True), "mmserve-no-chunk": ("no_chunk", False), "mmserve-static": ("static", True),
     "mmserve-structured": ("fcfs", True),  # mmserve with every request constrained by STRUCTURED_REGEX
+    "mmserve-eager": ("fcfs", True),  # mmserve with --enforce-eager: no decode graphs (the same as mmserve off CUDA)
 }  # fmt: skip
 # JSON-like records, repeated: the grammar accepts after every record, so with ignore_eos (EOS is not
 # offered while the grammar allows more) each request still runs to its fixed output length, as the
@@ -41,7 +42,7 @@ STRUCTURED_REGEX = r'(\{"id": [0-9]{1,4}, "name": "[a-z ]{0,12}", "ok": (true|fa
 MMSERVE_ONLY_KEYS = ("kv_cache_peak_usage", "step_time_split", "max_num_batched_tokens", "itl_p50_ms",
                      "itl_p99_ms", "max_step_s", "median_step_s", "max_encoder_tokens_in_a_step", "timeline",
                      "max_step_over_median", "max_step_since_video_s", "max_step_since_video_over_median",
-                     "expert_share")  # fmt: skip
+                     "expert_share", "decode_graphs")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputB
         budget = max(budget, max(len(p) for p in workload.prompts))
     llm = LLM(model_dir, scheduler_policy=policy, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=budget,
               max_num_encoder_tokens=c.max_num_encoder_tokens, chunk_encoder=chunk_encoder,
-              encoder_token_cost=c.encoder_token_cost)  # fmt: skip
+              encoder_token_cost=c.encoder_token_cost, enforce_eager=system == "mmserve-eager")  # fmt: skip
     spec = StructuredOutputs(regex=STRUCTURED_REGEX) if system == "mmserve-structured" else None
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, structured_outputs=spec)
               for n in workload.output_lens]  # fmt: skip
@@ -141,6 +142,7 @@ def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputB
         elapsed, (tokens, stamps, first_video), cpu_s = timed(lambda: _drive(llm, workload, prompts, params))
         arrivals = _arrival_stats(llm, workload, stamps, first_video)
     stats = llm.stats()
+    graph_mode, graph_sizes, replays = llm.engine.executor.decode_graphs()
     return Run(elapsed, tokens, cpu_s, {
         "kv_cache_peak_usage": stats.peak_num_used_blocks / stats.num_total_blocks,
         "step_time_split": step_time_split(llm.step_records, elapsed),
@@ -149,6 +151,8 @@ def run_mmserve(model_dir: Path, workload: Workload, system: str, c: ThroughputB
         # MoE models: seconds inside SparseMoE forwards (router + experts) over the decoder-forward
         # seconds of the timed run's step records; None for a dense model.
         "expert_share": timer.close(sum(s.forward_duration_s for s in llm.step_records)),
+        # "off" | "cuda": decode steps replayed from graphs, over the engine's life (warm-up included)
+        "decode_graphs": {"mode": graph_mode, "sizes": list(graph_sizes), "replayed_steps": sum(replays.values())},
     })  # fmt: skip
 
 
@@ -287,9 +291,13 @@ def _comparisons(systems: dict[str, dict]) -> dict:
     """mmserve against mmserve-no-chunk: the throughput chunking costs (1 - chunked / unchunked output
     tokens/s; negative: chunking is faster) and (long-video) the tail ITL it buys. mmserve-structured against
     mmserve: the share of its run spent filling bitmasks and advancing matchers, and its wall time over the
-    unconstrained run's (same requests, same lengths). Each only when both ran."""
-    plain, whole, structured = (systems.get(k) for k in ("mmserve", "mmserve-no-chunk", "mmserve-structured"))
+    unconstrained run's (same requests, same lengths). mmserve against mmserve-eager: what decode graphs give
+    (output tokens/s with over without; 1.0 off CUDA, where neither captures). Each only when both ran."""
+    plain, whole, structured, eager = (systems.get(k) for k in ("mmserve", "mmserve-no-chunk", "mmserve-structured",
+                                                                 "mmserve-eager"))  # fmt: skip
     out: dict[str, Any] = {}
+    if plain is not None and eager is not None:
+        out["decode_graphs_speedup"] = plain["output_tokens_per_s"] / eager["output_tokens_per_s"]
     if plain is not None and whole is not None:
         out["throughput_cost_of_chunking"] = 1 - plain["output_tokens_per_s"] / whole["output_tokens_per_s"]
         if plain["itl_p99_ms"] is not None and whole["itl_p99_ms"]:
@@ -336,7 +344,8 @@ def format_report(report: dict) -> str:
         parts.append("== every run, interleaved (the figures above: each system's median run) ==\n"
                      + table(("run", *map(str, range(1, repeats + 1))), rows))  # fmt: skip
     ratios = [("p99 text ITL, mmserve / no-chunk:", report.get("p99_itl_chunk_over_no_chunk"), ".2f"),
-              ("Throughput cost of chunking:", report.get("throughput_cost_of_chunking"), ".1%")]
+              ("Throughput cost of chunking:", report.get("throughput_cost_of_chunking"), ".1%"),
+              ("Output tok/s, decode graphs / eager:", report.get("decode_graphs_speedup"), ".2f")]
     if shown := [(label, num(value, spec)) for label, value, spec in ratios if value is not None]:
         parts.append(summary(shown))
     return "\n".join(parts)

@@ -147,6 +147,8 @@ class ModelRunner:
             blockers.append("tensor parallelism (its collectives are not captured yet)")
         if self.cfg.moe_layers:
             blockers.append("MoE layers (their expert routing is not checked for capture)")
+        if self.cfg.quantization is not None:
+            blockers.append("a quantized checkpoint (its layers' compute paths are not checked for capture)")
         if calculate_kv_scales:
             blockers.append("FP8 KV scales calibrated from the first step (a capture would calibrate on pads)")
         return blockers
