@@ -31,9 +31,10 @@ def triton_attention(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _assert_logprobs_equal(eager: list, replayed: list) -> None:
-    """Exactly where every row count takes the C linear kernel (each row computed alone: the conftest's choice
-    where a compiler exists); else within rounding, since a padded batch's row count may take another product."""
-    exact = os.environ.get("MMSERVE_CPU_LINEAR") == "c"
+    """Exactly on the CPU where every row count takes the C linear kernel (each row computed alone: the conftest's
+    choice where a compiler exists); else within rounding: a padded batch's row count may take another product
+    (cuBLAS too), and on a GPU the graph's key split, fixed for the longest context, merges in another order."""
+    exact = os.environ.get("MMSERVE_CPU_LINEAR") == "c" and not torch.cuda.is_available()
     for eager_lps, replayed_lps in zip(eager, replayed, strict=True):
         for a, b in zip(eager_lps, replayed_lps, strict=True):
             assert a.keys() == b.keys()
@@ -104,7 +105,7 @@ def test_preemption_and_prefix_hits_under_replayed_decodes(
     eager = _run(model, "off", monkeypatch, prompts, params, **engine)
     static = _run(model, "static", monkeypatch, prompts, params, **engine)
     assert static[0] == eager[0]
-    assert static[4].num_preemptions > 0 and static[4].num_preemptions == eager[4].num_preemptions
+    assert static[4].num_preemptions > 0 and eager[4].num_preemptions > 0  # (how many depends on step timing)
     assert static[4].prefix_cache_hits > 0
     assert sum(static[3].values()) > 0
 
@@ -176,7 +177,8 @@ def test_the_mode_is_chosen_once_and_forcing_it_where_it_cannot_run_is_an_error(
     assert choose_mode(cuda, False, ["tensor parallelism"]) == "off"
     assert choose_mode(cpu, False, []) == "off"
     monkeypatch.setenv("MMSERVE_DECODE_GRAPHS", "static")
-    assert choose_mode(cpu, True, []) == "static"
+    assert choose_mode(cpu, False, []) == "static"
+    assert choose_mode(cpu, True, []) == "off"  # --enforce-eager wins over the environment
     with pytest.raises(ValueError, match="tensor parallelism"):
         choose_mode(cpu, False, ["tensor parallelism"])
     monkeypatch.setenv("MMSERVE_DECODE_GRAPHS", "cuda")
@@ -233,6 +235,9 @@ def test_captured_cuda_graphs_equal_eager_on_the_gpu(
             assert mode == ("off" if enforce_eager else "cuda")
             if not enforce_eager:
                 assert sizes == (1, 2, 4, 8) and sum(replays.values()) >= max(MAX_TOKENS) - 1
+                # captured without autograd: no output holds a layer's activations in the pool
+                graphs = llm.engine.executor._runner.decode_graphs
+                assert graphs is not None and not any(g.hidden.requires_grad for g in graphs._graphs.values())
             answers.append(([o.token_ids for o in outputs], [o.logprobs for o in outputs]))
         finally:
             llm.close()
@@ -252,15 +257,18 @@ def test_the_graph_plan_attends_as_the_reference_whatever_the_host_lists_say(num
 
     from mmserve.kernels import reference, triton_attention
 
+    # Compiled kernels need CUDA tensors; interpreted ones (the conftest's choice without CUDA) take CPU ones.
+    device = torch.device("cpu" if triton_attention.INTERPRETED else "cuda")
     g = torch.Generator().manual_seed(0)
     num_blocks, block_size, num_kv_heads, head_dim, num_heads = 10, 4, 2, 16, 4
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(device)
     seq_lens = [5, 1, 9, 1]  # the last a pad row: one key, its own (scratch block 9)
-    tables = torch.tensor([[3, 1, 0], [2, 9, 9], [4, 5, 6], [9, 9, 9]])
-    query = torch.randn(4, num_heads, head_dim, generator=g)
+    tables = torch.tensor([[3, 1, 0], [2, 9, 9], [4, 5, 6], [9, 9, 9]], device=device)
+    query = torch.randn(4, num_heads, head_dim, generator=g).to(device)
     expected = reference.paged_attention(query, cache, tables, [0, 1, 2, 3, 4], seq_lens, 0.25)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    plan = triton_attention.decode_graph_plan(torch.arange(5, dtype=torch.int32), lens, num_heads, num_kv_heads, 64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    starts = torch.arange(5, dtype=torch.int32, device=device)
+    plan = triton_attention.decode_graph_plan(starts, lens, num_heads, num_kv_heads, 64)
     plan = dataclasses.replace(plan, num_splits=num_splits)
     out = triton_attention.paged_attention(query, cache, tables, [0, 1, 2, 3, 4], [1, 1, 1, 1], 0.25, None, plan)
     torch.testing.assert_close(out, expected)

@@ -1,6 +1,7 @@
 """Decode steps replayed from captured graphs, vLLM's CUDA graphs over batch-size buckets: static input buffers that
-each pure-decode step's batch is copied into, padded to the next captured size, and one graph per size sharing
-one memory pool. Steps with a prefill chunk or media rows run eagerly. Knows the `ForwardBatch` and the attention
+each pure-decode step's batch (every sequence one query row: decodes, or a prefill's one-token chunk) is copied
+into, padded to the next captured size, and one graph per size sharing one memory pool. Steps with a longer
+chunk or media rows run eagerly. Knows the `ForwardBatch` and the attention
 backend's graph metadata; not the scheduler, the requests or the model's insides.
 
 Pad rows are harmless by construction: each is a one-token sequence of token 0 at position 0 whose K/V goes to
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.kernels.launch_plan import LaunchPlan
 from mmserve.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -31,11 +33,14 @@ MAX_CAPTURE_SIZE = 512
 
 
 def choose_mode(device: torch.device, enforce_eager: bool, blockers: list[str]) -> str:
-    """"cuda" on a CUDA device unless `enforce_eager` or a `blockers` reason rules graphs out, else "off";
-    $MMSERVE_DECODE_GRAPHS=off|static|cuda forces one (static or cuda where a blocker applies is an error)."""
+    """"off" under `enforce_eager` (whatever the environment says); else "cuda" on a CUDA device unless a
+    `blockers` reason rules graphs out; $MMSERVE_DECODE_GRAPHS=off|static|cuda forces a mode (static or cuda where
+    a blocker applies is an error)."""
     forced = os.environ.get("MMSERVE_DECODE_GRAPHS", "").strip().lower()
+    if enforce_eager:
+        return "off"
     if not forced:
-        return "cuda" if torch.device(device).type == "cuda" and not enforce_eager and not blockers else "off"
+        return "cuda" if torch.device(device).type == "cuda" and not blockers else "off"
     if forced not in MODES:
         raise ValueError(f"MMSERVE_DECODE_GRAPHS={forced!r} is not available; choose from {MODES}")
     if forced != "off" and blockers:
@@ -67,7 +72,7 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Callable[[ForwardBatch], torch.Tensor],
-        metadata: Callable[[torch.Tensor, torch.Tensor], object],
+        metadata: Callable[[torch.Tensor, torch.Tensor], LaunchPlan],
         *,
         mode: str,
         sizes: tuple[int, ...],
@@ -82,6 +87,7 @@ class DecodeGraphs:
             raise ValueError(f"decode graphs: capture sizes must be positive, got {sizes!r}")
         self.mode, self.sizes = mode, tuple(sorted(set(sizes)))
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
         self._forward = forward
         self._scratch_block, self._scratch_slot = scratch_block, scratch_block * block_size
         top = self.sizes[-1]
@@ -99,7 +105,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool's memory
             self._graphs[size] = self._capture(size, metadata, pool)
 
-    def _capture(self, size: int, metadata: Callable[[torch.Tensor, torch.Tensor], object], pool: object) -> _Graph:
+    def _capture(self, size: int, metadata: Callable[[torch.Tensor, torch.Tensor], LaunchPlan], pool: object) -> _Graph:
         seq_lens = self.seq_lens[:size]
         batch = ForwardBatch(
             input_ids=self.input_ids[:size],
@@ -109,16 +115,18 @@ class DecodeGraphs:
             logits_indices=self._rows[:size],
             query_start_loc=list(range(size + 1)),
             seq_lens=[1] * size,  # the pad rows' lengths: never read by a graph-safe backend after capture
-            attention_metadata=metadata(self.query_start_loc[: size + 1], seq_lens),  # type: ignore[arg-type]
+            attention_metadata=metadata(self.query_start_loc[: size + 1], seq_lens),
         )
         if self.mode == "static":
             return _Graph(batch, None, None)
-        for _ in range(2):  # warm-up outside the capture: Triton compiles, the allocator settles (pads only)
-            self._forward(batch)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self._forward(batch)
+        # No autograd: a captured output with a grad_fn would keep every layer's activations in the pool for good.
+        with torch.no_grad(), torch.cuda.device(self.device):
+            for _ in range(2):  # warm-up outside the capture: Triton compiles, the allocator settles (pads only)
+                self._forward(batch)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(batch)
         return _Graph(batch, graph, hidden)
 
     def size_for(self, batch: ForwardBatch) -> int | None:
@@ -150,6 +158,7 @@ class DecodeGraphs:
         self.replays[size] += 1
         if graph.graph is None:  # static mode: the same batch object, run again
             return self._forward(graph.batch)[:n]
-        graph.graph.replay()
+        with torch.cuda.device(self.device):
+            graph.graph.replay()
         assert graph.hidden is not None
         return graph.hidden[:n]

@@ -40,6 +40,7 @@ from mmserve.kernels.dispatch import (
     get_moe_backend,
     get_w4a16_backend,
 )
+from mmserve.kernels.launch_plan import LaunchPlan
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
@@ -100,7 +101,7 @@ class ModelRunner:
         quant_kernels = {} if cfg.quantization is None else {"w4a16_linear": get_w4a16_backend(device).w4a16_linear}
         model = load_decoder(model_dir, cfg, self.backend, tp, fused_moe, quant_compute, device=torch.device(device),
                              **quant_kernels)  # fmt: skip
-        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = rotary_embedding(cfg).to(device)
         # On the CPU, the product each decode row count takes: measured once per machine and model, cached.
@@ -113,7 +114,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or dtype
         if calculate_kv_scales:
             self.model.calibrate_kv_scales()
-        blockers = self._decode_graph_blockers(calculate_kv_scales)
+        blockers = self._decode_graph_blockers(calculate_kv_scales, store_encoder_outputs)
         self.decode_graph_mode = choose_mode(torch.device(device), enforce_eager, blockers)
         # With decode graphs, one more block than the plans use: the pad rows' scratch block (its id: num_blocks).
         shape = (2, num_blocks + (self.decode_graph_mode != "off"), *shape[2:])
@@ -138,7 +139,7 @@ class ModelRunner:
             self.decode_graphs = self._capture_decode_graphs(num_blocks, max_model_len or cfg.max_position_embeddings,
                                                              cuda_graph_sizes)  # fmt: skip
 
-    def _decode_graph_blockers(self, calculate_kv_scales: bool) -> list[str]:
+    def _decode_graph_blockers(self, calculate_kv_scales: bool, encode_only: bool) -> list[str]:
         """Why this runner's decode steps cannot be captured as graphs (none: they can)."""
         blockers = []
         if self.backend.decode_graph_metadata is None:
@@ -151,6 +152,8 @@ class ModelRunner:
             blockers.append("a quantized checkpoint (its layers' compute paths are not checked for capture)")
         if calculate_kv_scales:
             blockers.append("FP8 KV scales calibrated from the first step (a capture would calibrate on pads)")
+        if encode_only:
+            blockers.append("an encoder instance (it decodes nothing)")
         return blockers
 
     def _capture_decode_graphs(self, num_blocks: int, max_model_len: int, sizes: tuple[int, ...] | None) -> DecodeGraphs:
@@ -158,11 +161,16 @@ class ModelRunner:
         assert metadata is not None
         cfg, start = self.cfg, time.perf_counter()
 
-        def graph_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> object:
+        def graph_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> LaunchPlan:
             return metadata(query_start_loc, seq_lens, cfg.num_heads, cfg.num_kv_heads, max_model_len)
 
+        model, kv_caches = self.model, self.kv_caches  # not `self`: the graphs would hold the runner in a cycle
+
+        def forward(batch: ForwardBatch) -> torch.Tensor:
+            return model(batch, kv_caches)
+
         graphs = DecodeGraphs(
-            lambda batch: self.model(batch, self.kv_caches),
+            forward,
             graph_metadata,
             mode=self.decode_graph_mode,
             sizes=sizes or default_capture_sizes(SchedulerConfig.max_num_seqs),
