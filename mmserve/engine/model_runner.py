@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from mmserve.config import SchedulerConfig
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.encoders.vision import PartialEncode, VisionTower
-from mmserve.engine.decode_graphs import DecodeGraphs, choose_mode, default_capture_sizes
+from mmserve.engine.decode_graphs import DecodeGraphs, choose_mode
 from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
@@ -80,7 +79,7 @@ class ModelRunner:
         store_encoder_outputs: bool = False,
         enforce_eager: bool = True,
         max_model_len: int | None = None,
-        cuda_graph_sizes: tuple[int, ...] | None = None,
+        cuda_graph_sizes: tuple[int, ...] = (),
     ) -> None:
         """`mm_encoder_tp_mode` (several ranks): "data", the tower replicated and the step's media split
         over the ranks; "weights", the tower sharded like the decoder and every item encoded by all.
@@ -91,8 +90,8 @@ class ModelRunner:
         `encoder_store`: encoder disaggregation's shared directory (one rank only): groups planned as loads come
         from it; `store_encoder_outputs` (an encoder instance): every group this runner encodes goes into it.
         `enforce_eager`: no decode graphs; else they are captured at `cuda_graph_sizes` where they can run
-        (`engine/decode_graphs.py`; None: the default sizes for the scheduler's default max_num_seqs), for
-        contexts up to `max_model_len` (None: the checkpoint's positions)."""
+        (`engine/decode_graphs.py`; the core's choice, needed when graphs run), for contexts up to
+        `max_model_len` (None: the checkpoint's positions)."""
         self.cfg, self.device, self.dtype, self.block_size = cfg, device, dtype, block_size
         self.tp = tp = tp or TensorParallelGroup.single()
         self.backend = get_attention_backend(device)
@@ -156,7 +155,7 @@ class ModelRunner:
             blockers.append("an encoder instance (it decodes nothing)")
         return blockers
 
-    def _capture_decode_graphs(self, num_blocks: int, max_model_len: int, sizes: tuple[int, ...] | None) -> DecodeGraphs:
+    def _capture_decode_graphs(self, num_blocks: int, max_model_len: int, sizes: tuple[int, ...]) -> DecodeGraphs:
         metadata = self.backend.decode_graph_metadata
         assert metadata is not None
         cfg, start = self.cfg, time.perf_counter()
@@ -173,7 +172,7 @@ class ModelRunner:
             forward,
             graph_metadata,
             mode=self.decode_graph_mode,
-            sizes=sizes or default_capture_sizes(SchedulerConfig.max_num_seqs),
+            sizes=sizes,
             max_blocks_per_seq=-(-max_model_len // self.block_size),
             scratch_block=num_blocks,
             block_size=self.block_size,
@@ -294,10 +293,10 @@ class ModelRunner:
         forward_start = time.perf_counter()
         batch = self._prepare(views, rows)
         embeds, deepstack = self._embeddings(views, batch)
-        graphs = self.decode_graphs if embeds is None and deepstack is None else None
-        size = graphs.size_for(batch) if graphs is not None else None
-        if graphs is not None and size is not None:  # a pure-decode step: replayed at the next captured size
-            hidden = graphs.run(batch, size)  # [num_tokens, hidden]
+        graphs = self.decode_graphs
+        size = graphs.size_for(batch) if graphs is not None and embeds is None and deepstack is None else None
+        if size is not None:  # a pure-decode step: replayed at the next captured size
+            hidden = graphs.run(batch, size)  # type: ignore[union-attr]  # [num_tokens, hidden]
         else:
             hidden = self.model(batch, self.kv_caches, embeds, deepstack)  # [num_tokens, hidden]
         sampled = [v for v in views if v.scheduled.sample]

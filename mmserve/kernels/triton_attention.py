@@ -275,6 +275,11 @@ def tile_config(block_m: int, block_d: int, exact_fp32: bool, kv_fp8: bool = Fal
     return TileConfig(32, 4, 3) if block_d <= 128 else TileConfig(32, 8, 2)
 
 
+def _decode_block_m(group: int) -> int:
+    """Query-tile rows of a pure-decode launch: one token's GROUP heads, padded to the smallest dot M."""
+    return max(_DECODE_BLOCK_M, triton.next_power_of_2(group))
+
+
 @functools.lru_cache(maxsize=4)
 def make_launch_plan(
     query_start_loc: tuple[int, ...],
@@ -288,7 +293,7 @@ def make_launch_plan(
     """Tiles the batch and copies its metadata to the device in one transfer. Cached on the (hashable)
     host lists, so the layers of one step after the first reuse it without touching the device."""
     q_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
-    small_m = max(_DECODE_BLOCK_M, triton.next_power_of_2(group))
+    small_m = _decode_block_m(group)
     # One tile size per launch: the small one when every sequence's rows fit in it (pure decode batches).
     block_m = small_m if max(q_lens, default=1) * group <= small_m else max(chunk_block_m, small_m)
     block_q = block_m // group
@@ -317,7 +322,7 @@ def decode_graph_plan(
     whose weight in the reduce is exactly 0), so nothing in the launch depends on the step's lengths."""
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
-    block_m = max(_DECODE_BLOCK_M, triton.next_power_of_2(group))
+    block_m = _decode_block_m(group)
     device = seq_lens.device
     work_seq = torch.arange(num_seqs, dtype=torch.int32, device=device)
     work_tile = torch.zeros(num_seqs, dtype=torch.int32, device=device)
