@@ -53,8 +53,11 @@ def _compiler() -> str | None:
 class CKernel:
     """One exported function of one C source file, built on first use; thread-safe."""
 
-    def __init__(self, source: str, symbol: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> None:
+    def __init__(
+        self, source: str, symbol: str, argtypes: list[Any], restype: Any = ctypes.c_int, cflags: tuple[str, ...] = ()
+    ) -> None:
         self.source, self.symbol = CSRC / source, symbol
+        self.cflags = CFLAGS + cflags  # a later flag overrides an earlier one
         self.argtypes, self.restype = argtypes, restype
         self._lock = threading.Lock()
         self._function: ctypes._CFuncPtr | None = None
@@ -88,7 +91,7 @@ class CKernel:
         different CPUs must never load a library built for another one's instruction set."""
         digest = hashlib.sha256()
         headers = [h.read_bytes() for h in sorted(CSRC.glob("*.h"))]  # what the sources may include
-        for part in (self.source.read_bytes(), *headers, " ".join(CFLAGS + LDFLAGS).encode(), compiler.encode()):
+        for part in (self.source.read_bytes(), *headers, " ".join(self.cflags + LDFLAGS).encode(), compiler.encode()):
             digest.update(part)
         digest.update(cpu_fingerprint().encode())
         return digest.hexdigest()[:16]
@@ -102,7 +105,7 @@ class CKernel:
         obj = tmp[: -len(".so")] + ".o"
         try:
             for command in (
-                [compiler, *CFLAGS, "-c", "-o", obj, str(self.source)],
+                [compiler, *self.cflags, "-c", "-o", obj, str(self.source)],
                 [compiler, *LDFLAGS, "-o", tmp, obj, "-lm"],
             ):
                 done = subprocess.run(command, capture_output=True, text=True, timeout=120)

@@ -43,7 +43,9 @@ _C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # (x, weight, bias or NULL, out, rows, in_features, out_features, dtype, num_threads)
-_KERNEL = CKernel("small_linear.c", "small_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64])
+# -ffp-contract=off: the source fuses its products and sums itself, the same way at every row count
+_KERNEL = CKernel("small_linear.c", "small_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
+                  cflags=("-ffp-contract=off",))  # fmt: skip
 
 
 def load() -> ctypes._CFuncPtr | None:

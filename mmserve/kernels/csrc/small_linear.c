@@ -4,25 +4,51 @@
  *
  * Why by hand: with few rows the product is bound by streaming the weights from memory, and BLAS's
  * one-row (GEMV) and few-row paths stream them well below the memory's rate on some CPUs. Here each
- * weight row is read once per step, whatever the row count: a tile of 4 weight rows meets every x row
- * (x stays in L1), the output rows are split over the threads.
+ * weight row is read once per step, whatever the row count: a tile of weight rows meets every x row
+ * (x stays in L1 or L2), the output rows are split over the threads. With AVX-512: tiles of 4 weight rows x
+ * 4 x rows in intrinsics. Elsewhere (AVX2, NEON): GCC's generic vectors, tiles of 1 weight row x 8 x rows,
+ * x widened to fp32 once per call: one sequential weight stream per thread and up to 8 independent FMA chains
+ * (4 x 4 tiles spill AVX2's 16 registers and read 4 weight rows at once; 1 x 8 streamed the weights at 4 rows as
+ * fast as at 1 on a Zen 3, docs/benchmarks.md).
  *
  * Layout: x, w, out row-major and contiguous; bias [out_features] or NULL; bf16 as raw uint16 bits.
  * Rounding: fp32 sums in an order of our own (not BLAS's); bf16 results rounded to nearest even. A row's
  * result never depends on the other rows of the call (each output is one dot product, summed alike). */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define HAVE_AVX512 1
+#endif
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
+#ifdef HAVE_AVX512
 #define W_TILE 4 /* weight rows per tile */
 #define X_TILE 4 /* x rows per tile: W_TILE * X_TILE accumulators */
+#else
+#define W_TILE 1
+#define X_TILE 8
+#define VL 8 /* fp32 lanes of a generic vector: one AVX2 register */
+typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
+typedef uint16_t vhalf __attribute__((vector_size(VL * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(VL * sizeof(uint32_t))));
+/* a * b + c. Built with -ffp-contract=off (kernels/cpu_linear.py), so the compiler never decides per inlined copy
+ * whether to fuse a product and a sum: it fused them differently for one x row than for several, and a row's
+ * result then depended on the rows beside it. The fused instruction is asked for where the CPU has it. */
+static inline __attribute__((always_inline)) vfloat fmadd(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX__) && defined(__FMA__)
+    return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+#endif
 
 /* dot products of weight rows w[o0 .. o0+nw) with x rows x[r0 .. r0+nx), nw, nx <= 4: acc[i][j] */
 #ifdef HAVE_AVX512
@@ -41,6 +67,7 @@ static inline __m512 load_tail(const void *p, int64_t k, int64_t n, int bf16) {
 #endif
 
 /* Inlined with a constant nx at each call, so the compiler keeps only nx x rows' accumulators. */
+#ifdef HAVE_AVX512
 static inline __attribute__((always_inline)) void tile(const void *x, const void *w, int64_t in, int64_t r0,
                                                        int nx, int64_t o0, int nw, int bf16,
                                                        float acc[W_TILE][X_TILE]) {
@@ -49,7 +76,6 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
     const void *xr[X_TILE], *wr[W_TILE];
     for (int j = 0; j < nx; j++) xr[j] = xb + (size_t)(r0 + j) * in * es;
     for (int i = 0; i < W_TILE; i++) wr[i] = wb + (size_t)(o0 + (i < nw ? i : 0)) * in * es;
-#ifdef HAVE_AVX512
     __m512 a[W_TILE][X_TILE];
     for (int i = 0; i < W_TILE; i++)
         for (int j = 0; j < nx; j++) a[i][j] = _mm512_setzero_ps();
@@ -70,23 +96,48 @@ static inline __attribute__((always_inline)) void tile(const void *x, const void
     }
     for (int i = 0; i < W_TILE; i++)
         for (int j = 0; j < nx; j++) acc[i][j] = _mm512_reduce_add_ps(a[i][j]);
-#else
-    for (int i = 0; i < W_TILE; i++)
-        for (int j = 0; j < X_TILE; j++) acc[i][j] = 0.0f;
-    for (int i = 0; i < nw; i++)
-        for (int j = 0; j < nx; j++) {
-            float s = 0.0f;
-            if (bf16) {
-                const uint16_t *wp = (const uint16_t *)wr[i], *xp = (const uint16_t *)xr[j];
-                for (int64_t k = 0; k < in; k++) s += bf16_to_f32(wp[k]) * bf16_to_f32(xp[k]);
-            } else {
-                const float *wp = (const float *)wr[i], *xp = (const float *)xr[j];
-                for (int64_t k = 0; k < in; k++) s += wp[k] * xp[k];
-            }
-            acc[i][j] = s;
-        }
-#endif
 }
+#else
+static inline __attribute__((always_inline)) vfloat load_w(const void *w, int64_t k, int bf16) {
+    vfloat f;
+    if (!bf16) {
+        memcpy(&f, (const float *)w + k, sizeof f);
+        return f;
+    }
+    vhalf h;
+    memcpy(&h, (const uint16_t *)w + k, sizeof h);
+    const vuint u = __builtin_convertvector(h, vuint) << 16; /* bf16 bits to fp32: exact */
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The dot products of weight row o0 with fp32 x rows x32[r0 .. r0+nx), nx <= X_TILE: acc[0][j]. One
+ * accumulator per x row, so a row's sum never depends on how many rows share the tile. */
+static inline __attribute__((always_inline)) void tile(const float *x32, const void *w, int64_t in, int64_t r0,
+                                                       int nx, int64_t o0, int bf16, float acc[W_TILE][X_TILE]) {
+    const float *xr[X_TILE];
+    for (int j = 0; j < nx; j++) xr[j] = x32 + (r0 + j) * in;
+    const void *wr = (const char *)w + (size_t)o0 * in * (bf16 ? 2 : 4);
+    vfloat a[X_TILE];
+    for (int j = 0; j < nx; j++) a[j] = (vfloat){0};
+    int64_t k = 0;
+    for (; k + VL <= in; k += VL) {
+        const vfloat wv = load_w(wr, k, bf16);
+        for (int j = 0; j < nx; j++) {
+            vfloat xv;
+            memcpy(&xv, xr[j] + k, sizeof xv);
+            a[j] = fmadd(wv, xv, a[j]);
+        }
+    }
+    for (int j = 0; j < nx; j++) {
+        float s = 0.0f;
+        for (int l = 0; l < VL; l++) s += a[j][l];
+        for (int64_t t = k; t < in; t++)
+            s += (bf16 ? bf16_to_f32(((const uint16_t *)wr)[t]) : ((const float *)wr)[t]) * xr[j][t];
+        acc[0][j] = s;
+    }
+}
+#endif
 
 #if defined(HAVE_AVX512) && defined(__AVX512BF16__)
 #define HAVE_DPBF16 1
@@ -122,11 +173,21 @@ static inline __attribute__((always_inline)) void tile_dpbf16(const uint16_t *x,
 }
 #endif
 
-/* Inlined with a constant bf16 at each call: one loop nest per dtype, no per-element branch. */
-static inline __attribute__((always_inline)) void run(const void *x, const void *w, const void *bias, void *out,
+/* Inlined with a constant bf16 at each call: one loop nest per dtype, no per-element branch. Returns 0, or 2
+ * when out of memory. */
+static inline __attribute__((always_inline)) int run(const void *x, const void *w, const void *bias, void *out,
                                                       int64_t rows, int64_t in, int64_t out_features, int bf16,
                                                       int64_t num_threads) {
     int64_t num_tiles = (out_features + W_TILE - 1) / W_TILE;
+#ifndef HAVE_AVX512
+    const float *x32 = x; /* bf16 x widened once here (exact), not once per weight row */
+    if (bf16) {
+        float *wide = malloc(sizeof(float) * (size_t)(rows * in));
+        if (wide == NULL) return 2;
+        for (int64_t i = 0; i < rows * in; i++) wide[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        x32 = wide;
+    }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < num_tiles; t++) {
         int64_t o0 = t * W_TILE;
@@ -145,12 +206,25 @@ static inline __attribute__((always_inline)) void run(const void *x, const void 
                 }
             } else
 #endif
+#ifdef HAVE_AVX512
             switch (nx) {
             case 1: tile(x, w, in, r0, 1, o0, nw, bf16, acc); break;
             case 2: tile(x, w, in, r0, 2, o0, nw, bf16, acc); break;
             case 3: tile(x, w, in, r0, 3, o0, nw, bf16, acc); break;
             default: tile(x, w, in, r0, 4, o0, nw, bf16, acc); break;
             }
+#else
+            switch (nx) {
+            case 1: tile(x32, w, in, r0, 1, o0, bf16, acc); break;
+            case 2: tile(x32, w, in, r0, 2, o0, bf16, acc); break;
+            case 3: tile(x32, w, in, r0, 3, o0, bf16, acc); break;
+            case 4: tile(x32, w, in, r0, 4, o0, bf16, acc); break;
+            case 5: tile(x32, w, in, r0, 5, o0, bf16, acc); break;
+            case 6: tile(x32, w, in, r0, 6, o0, bf16, acc); break;
+            case 7: tile(x32, w, in, r0, 7, o0, bf16, acc); break;
+            default: tile(x32, w, in, r0, 8, o0, bf16, acc); break;
+            }
+#endif
             for (int i = 0; i < nw; i++) {
                 float b = 0.0f;
                 if (bias) b = bf16 ? bf16_to_f32(((const uint16_t *)bias)[o0 + i]) : ((const float *)bias)[o0 + i];
@@ -165,16 +239,17 @@ static inline __attribute__((always_inline)) void run(const void *x, const void 
             }
         }
     }
+#ifndef HAVE_AVX512
+    if (x32 != x) free((void *)x32);
+#endif
+    return 0;
 }
 
-/* Returns 0, or 1 for bad arguments. dtype: 0 fp32, 1 bf16 (x, w, bias and out alike). */
+/* Returns 0, 1 for bad arguments, 2 when out of memory. dtype: 0 fp32, 1 bf16 (x, w, bias and out alike). */
 int small_linear(const void *x, const void *w, const void *bias, void *out, int64_t rows, int64_t in,
                  int64_t out_features, int64_t dtype, int64_t num_threads) {
     if (rows < 1 || in < 1 || out_features < 1 || (dtype != 0 && dtype != 1)) return 1;
     if (num_threads < 1) num_threads = 1;
-    if (dtype == 1)
-        run(x, w, bias, out, rows, in, out_features, 1, num_threads);
-    else
-        run(x, w, bias, out, rows, in, out_features, 0, num_threads);
-    return 0;
+    if (dtype == 1) return run(x, w, bias, out, rows, in, out_features, 1, num_threads);
+    return run(x, w, bias, out, rows, in, out_features, 0, num_threads);
 }
