@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
+from mmserve.kernels import cpu_decoder
 from mmserve.kernels.cpu_linear import choose_paths
 from mmserve.kernels.dispatch import (
     get_attention_backend,
@@ -118,6 +120,7 @@ class ModelRunner:
         # With decode graphs, one more block than the plans use: the pad rows' scratch block (its id: num_blocks).
         shape = (2, num_blocks + (self.decode_graph_mode != "off"), *shape[2:])
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=device) for _ in range(cfg.num_layers)]
+        self.decode_stack_blocker = self._enable_decode_stack()
         self.sampler = Sampler()
         self.requests = RequestStates()  # what the plans so far have sent of each running request
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
@@ -137,6 +140,18 @@ class ModelRunner:
         if self.decode_graph_mode != "off":
             self.decode_graphs = self._capture_decode_graphs(num_blocks, max_model_len or cfg.max_position_embeddings,
                                                              cuda_graph_sizes)  # fmt: skip
+
+    def _enable_decode_stack(self) -> str | None:
+        """On the CPU, decode steps run the decoder as one C call where they can (`Decoder.enable_decode_stack`);
+        $MMSERVE_CPU_DECODE_STACK=0 keeps every layer composed. Returns why not, or None."""
+        if self.device.type != "cpu":
+            return "not on the CPU"
+        if os.environ.get(cpu_decoder.ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+            return f"{cpu_decoder.ENV}=0"
+        blocker = self.model.enable_decode_stack(self.kv_cache_dtype)
+        if blocker is not None:
+            logger.info("decode steps run layer by layer: %s", blocker)
+        return blocker
 
     def _decode_graph_blockers(self, calculate_kv_scales: bool, encode_only: bool) -> list[str]:
         """Why this runner's decode steps cannot be captured as graphs (none: they can)."""

@@ -34,6 +34,12 @@ def load() -> bool:
     return all(k.load() is not None for k in (_ADD_RMS_NORM, _SILU_AND_MUL, _ROTARY_QK, _STORE_KV))
 
 
+def functions() -> dict[str, ctypes._CFuncPtr] | None:
+    """The loaded kernels by their C names (what `cpu_decoder` calls from C); None where they cannot be built."""
+    kernels = {k.symbol: k.load() for k in (_ADD_RMS_NORM, _SILU_AND_MUL, _ROTARY_QK, _STORE_KV)}
+    return kernels if all(f is not None for f in kernels.values()) else None  # type: ignore[return-value]
+
+
 def _code(*tensors: torch.Tensor | None) -> int | None:
     """The kernels' dtype code when every given tensor is on the CPU in one dtype they compute, else None."""
     dtype = tensors[0].dtype  # type: ignore[union-attr]

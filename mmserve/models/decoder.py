@@ -13,7 +13,8 @@ from torch import nn
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.kernels import fp8, reference
-from mmserve.kernels.cpu_linear import LinearPaths
+from mmserve.kernels.cpu_decoder import DecoderShape, DecodeStack, LayerWeights
+from mmserve.kernels.cpu_linear import BLAS_PATHS, LinearPaths
 from mmserve.kernels.dispatch import TORCH_ELEMENTWISE, AttentionBackend, ElementwiseOps
 from mmserve.models.config import DecoderConfig
 from mmserve.models.forward_batch import ForwardBatch
@@ -233,6 +234,9 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.elementwise = TORCH_ELEMENTWISE  # set_elementwise_ops
+        self._linear_paths = BLAS_PATHS  # set_linear_paths (not `linear_paths`: that attribute marks the linear layers)
+        self.tp_size = tp.world_size
+        self.decode_stack: DecodeStack | None = None  # enable_decode_stack
 
     def forward(
         self,
@@ -246,6 +250,14 @@ class Decoder(nn.Module):
         `_deepstack_process` does; a chunk adds the rows of the visual tokens it holds."""
         x = self.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rotary(batch.positions, x.dtype)
+        stack, rows = self.decode_stack, batch.num_tokens
+        if (
+            stack is not None
+            and deepstack is None
+            and self._linear_paths.path(rows) == "c"
+            and stack.takes(rows, batch.attention_metadata)
+        ):  # decode rows alone, every product on the C kernel: the whole stack in one C call, same results
+            return stack.forward(x, cos, sin, batch.slot_mapping, batch.attention_metadata, kv_caches)  # type: ignore[arg-type]
         residual: torch.Tensor | None = None  # the hidden state is x + residual (x alone while None)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, cos, sin, batch, kv_cache)
@@ -266,6 +278,7 @@ class Decoder(nn.Module):
 
     def set_linear_paths(self, paths: LinearPaths) -> None:
         """Every linear layer's products from now on take `paths`."""
+        self._linear_paths = paths
         for m in self.modules():
             if hasattr(m, "linear_paths"):  # Linear and its parallel kinds, QuantizedLinear
                 m.linear_paths = paths
@@ -275,6 +288,32 @@ class Decoder(nn.Module):
         for m in self.modules():
             if hasattr(m, "elementwise"):  # Decoder, DecoderLayer, Attention, MLP
                 m.elementwise = ops
+
+    def enable_decode_stack(self, kv_cache_dtype: torch.dtype) -> str | None:
+        """From now on, a step of decode rows alone whose row count takes the C linear kernel runs the layers and
+        the final norm as one C call (`kernels/cpu_decoder.py`: the same kernels, so the same results, without
+        the per-layer Python). Call after the weights' cast and `set_elementwise_ops`; returns why it cannot
+        (the step then stays composed), or None."""
+        first = self.layers[0].self_attn if len(self.layers) else None
+        blockers = [
+            (self.cfg.moe_layers, "MoE layers"),
+            (self.tp_size > 1, "tensor parallelism"),
+            (self.elementwise.name != "cpu", f"the {self.elementwise.name} elementwise ops (the C ones only)"),
+            (any(layer.self_attn.backend.name != "cpu" for layer in self.layers), "an attention backend but cpu"),
+            (kv_cache_dtype != self.embed_tokens.weight.dtype, f"a {kv_cache_dtype} KV cache (the model's dtype only)"),
+            (any(not _dense(layer) for layer in self.layers), "quantized or sparse linear layers"),
+        ]
+        reasons = [reason for blocked, reason in blockers if blocked]
+        if reasons or first is None:
+            return "; ".join(reasons) or "no layers"
+        layers = [_layer_weights(layer) for layer in self.layers]
+        shape = DecoderShape(self.cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                             layers[0].down.shape[1], self.norm.eps)  # fmt: skip
+        stack = DecodeStack.create(layers, self.norm.weight, shape)
+        if isinstance(stack, str):
+            return stack
+        self.decode_stack = stack
+        return None
 
     def reset_kv_scales(self) -> None:
         """Every layer's FP8 KV cache scales to 1.0 (after `to_empty`, before a checkpoint sets its own)."""
@@ -290,3 +329,22 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [num_rows, hidden] -> fp32 logits [num_rows, vocab] on the first rank, None on the others."""
         return self.lm_head.logits(hidden)
+
+
+def _dense(layer: DecoderLayer) -> bool:
+    """Whether every linear product of the layer is a plain dense one (the kinds in models/parallel.py)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, MLP):
+        return False
+    expected = ((attn.qkv_proj, ColumnParallelLinear), (attn.o_proj, RowParallelLinear),
+                (mlp.gate_up_proj, ColumnParallelLinear), (mlp.down_proj, RowParallelLinear))  # fmt: skip
+    return all(type(module) is kind for module, kind in expected)
+
+
+def _layer_weights(layer: DecoderLayer) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(mlp, MLP)
+    norms = (None, None) if attn.q_norm is None or attn.k_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+    return LayerWeights(layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, *norms,
+                        attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                        mlp.down_proj.weight)  # fmt: skip
