@@ -137,6 +137,11 @@ class StepTimeModel:
         self._prior_rows = [
             [x / t0 for x in f.vector()] for f in _PRIOR_STEPS if (t0 := _dot(c0, f.vector())) > 0.0
         ]
+        # Their sums, which every refit adds scaled (w * sum a0 a0^T / scale^2, w * sum a0 / scale): summed once here,
+        # not at every step
+        rows = self._prior_rows
+        self._prior_gram = [[sum(a0[i] * a0[j] for a0 in rows) for j in range(k)] for i in range(k)]
+        self._prior_rhs = [sum(a0[i] for a0 in rows) for i in range(k)]
 
     # -- prediction ------------------------------------------------------------------------------
     def predict(self, features: StepFeatures) -> float:
@@ -216,25 +221,21 @@ class StepTimeModel:
         a = [v / measured_s for v in x]
         over = predicted / measured_s - 1.0  # the current model's relative error on this step
         weight = 1.0 if abs(over) <= _HUBER else _HUBER / abs(over)
-        lam, k = self.forgetting, len(FEATURES)
-        for i in range(k):
-            self._rhs[i] = lam * self._rhs[i] + weight * a[i]
-            row = self._gram[i]
-            for j in range(k):
-                row[j] = lam * row[j] + weight * a[i] * a[j]
+        lam = self.forgetting
+        self._rhs = [lam * r + weight * ai for r, ai in zip(self._rhs, a, strict=True)]
+        self._gram = [
+            [lam * g + wa * aj for g, aj in zip(row, a, strict=True)]
+            for row, wa in zip(self._gram, (weight * ai for ai in a), strict=True)
+        ]
         self._refit()
 
     def _refit(self) -> None:
         k = len(FEATURES)
         scale = math.exp(self._log_scale)  # the prior's rows price steps at scale x the prior
         w = self.prior_weight / max(1, len(self._prior_rows))
-        gram = [row[:] for row in self._gram]
-        rhs = self._rhs[:]
-        for a0 in self._prior_rows:
-            for i in range(k):
-                rhs[i] += w * a0[i] / scale
-                for j in range(k):
-                    gram[i][j] += w * a0[i] * a0[j] / (scale * scale)
+        g, r = w / (scale * scale), w / scale
+        gram = [[a + g * p for a, p in zip(row, prior, strict=True)] for row, prior in zip(self._gram, self._prior_gram, strict=True)]
+        rhs = [a + r * p for a, p in zip(self._rhs, self._prior_rhs, strict=True)]
         active = [j for j in range(k) if gram[j][j] > 0.0]
         while active:
             sol = _solve([[gram[i][j] for j in active] for i in active], [rhs[i] for i in active])
