@@ -19,8 +19,9 @@ from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import Decoder, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
 from mmserve.models.loader import load_decoder
+from tests.test_kernels import python_with_kernel_cache
 
-pytestmark = pytest.mark.skipif(cpu_decoder._kernels() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(not cpu_decoder.load(), reason="no C compiler")
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 
@@ -132,10 +133,22 @@ def test_what_it_refuses(tiny_model_dir: Callable[[str], Path]) -> None:
     assert model.decode_stack is None
     moe = _decoder(tiny_model_dir("qwen3_moe"), torch.float32, stack=False)
     assert "MoE" in str(moe.enable_decode_stack(torch.float32))
-    weights = cpu_decoder.LayerWeights(*[torch.ones(4)] * 9)
-    shape = cpu_decoder.DecoderShape(4, 4, 2, 2, 4, 1e-6)
+    shape = cpu_decoder.DecoderShape(hidden=4, num_heads=2, num_kv_heads=1, head_dim=2, intermediate=4, eps=1e-6)
+    weights = _weights(shape)
+    assert isinstance(cpu_decoder.DecodeStack.create([weights], torch.ones(4), shape), cpu_decoder.DecodeStack)
     assert "dtype" in str(cpu_decoder.DecodeStack.create([weights], torch.ones(4, dtype=torch.float16), shape))
-    assert "heads" in str(cpu_decoder.DecodeStack.create([weights], torch.ones(4), dataclasses.replace(shape, num_heads=3)))
+    assert "heads" in str(cpu_decoder.DecodeStack.create([weights], torch.ones(4), dataclasses.replace(shape, num_heads=3, num_kv_heads=2)))
+    wrong = dataclasses.replace(weights, down=torch.ones(4, 5))  # the C would read past it
+    assert "down is (4, 5), not (4, 4)" in str(cpu_decoder.DecodeStack.create([wrong], torch.ones(4), shape))
+    assert "q/k norms" in str(cpu_decoder.DecodeStack.create([dataclasses.replace(weights, k_norm=None)], torch.ones(4), shape))
+
+
+def _weights(s: cpu_decoder.DecoderShape) -> cpu_decoder.LayerWeights:
+    qkv, q = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, s.num_heads * s.head_dim
+    return cpu_decoder.LayerWeights(torch.ones(s.hidden), torch.ones(qkv, s.hidden), torch.ones(qkv),
+                                    torch.ones(s.head_dim), torch.ones(s.head_dim), torch.ones(s.hidden, q),
+                                    torch.ones(s.hidden), torch.ones(2 * s.intermediate, s.hidden),
+                                    torch.ones(s.hidden, s.intermediate))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -157,3 +170,24 @@ def test_the_engine_decodes_the_same_tokens_and_logprobs_with_it_off(
         llm.close()
         assert (len(calls) > 10) == (setting == "1")  # the decode-only steps, once it is on
     assert outputs["1"] == outputs["0"]
+
+
+def test_built_once_per_machine_and_without_a_compiler_the_layers_stay_composed(tmp_path: Path) -> None:
+    """A second start loads the cached library (no recompilation: sizes are arguments, so no row count ever
+    rebuilds it); with no compiler the stack refuses and says why."""
+    code = (
+        "import torch\n"
+        "from mmserve.kernels import cpu_decoder\n"
+        "from tests.test_cpu_decoder import _weights\n"
+        "shape = cpu_decoder.DecoderShape(4, 2, 1, 2, 4, 1e-6)\n"
+        "made = cpu_decoder.DecodeStack.create([_weights(shape)], torch.ones(4), shape)\n"
+        "print(cpu_decoder.load(), made if isinstance(made, str) else 'built')\n"
+    )
+    built = python_with_kernel_cache(code, tmp_path / "a", cpu_decoder.ENV)
+    assert built.stdout.split() == ["True", "built"], built.stderr
+    (library,) = (tmp_path / "a").glob("decoder_decode-*.so")
+    stamp = library.stat().st_mtime_ns
+    assert python_with_kernel_cache(code, tmp_path / "a", cpu_decoder.ENV).stdout.split() == ["True", "built"]
+    assert library.stat().st_mtime_ns == stamp
+    refused = python_with_kernel_cache(code, tmp_path / "b", cpu_decoder.ENV, CC="false")
+    assert refused.stdout.startswith("False the C kernels could not be built"), refused.stderr

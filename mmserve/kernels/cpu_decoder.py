@@ -57,6 +57,11 @@ class DecoderShape:
     eps: float  # every RMSNorm's, the q/k norms' too
 
 
+def load() -> bool:
+    """Whether decoder_decode and every kernel it calls are built (building them on first use)."""
+    return _kernels() is not None
+
+
 def _kernels() -> _Kernels | None:
     """The loaded kernels' addresses; None where one of them (or decoder_decode itself) cannot be built."""
     functions = {**(cpu_fused.functions() or {}), "small_linear": cpu_linear.load(),
@@ -96,6 +101,13 @@ class DecodeStack:
             return "no layers, or a layer with one of the q/k norms"
         if shape.num_heads > _MAX_HEADS or shape.num_heads % shape.num_kv_heads or shape.head_dim % 2:
             return f"{shape.num_heads} query heads over {shape.num_kv_heads} KV heads of {shape.head_dim} dims"
+        expected = _shapes(shape)
+        for i, layer in enumerate(layers):
+            for name, tensor in zip(expected, _fields(layer), strict=True):
+                if tensor is not None and tuple(tensor.shape) != expected[name]:
+                    return f"layer {i}'s {name} is {tuple(tensor.shape)}, not {expected[name]}"
+        if tuple(final_norm.shape) != (shape.hidden,):
+            return f"the final norm is {tuple(final_norm.shape)}, not ({shape.hidden},)"
         kernels = _kernels()
         if kernels is None:
             return "the C kernels could not be built (see the log)"
@@ -153,6 +165,14 @@ class DecodeStack:
         self._table = torch.tensor([[*a, c] for a, c in zip(self._addresses, addresses, strict=True)], dtype=torch.int64)
         self._kv_addresses = addresses
         return self._table
+
+
+def _shapes(s: DecoderShape) -> dict[str, tuple[int, ...]]:
+    """Each LayerWeights field's shape, in field order (the C reads them at these sizes)."""
+    qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    return {"input_norm": (s.hidden,), "qkv": (qkv, s.hidden), "qkv_bias": (qkv,), "q_norm": (s.head_dim,),
+            "k_norm": (s.head_dim,), "o": (s.hidden, s.num_heads * s.head_dim), "post_norm": (s.hidden,),
+            "gate_up": (2 * s.intermediate, s.hidden), "down": (s.hidden, s.intermediate)}  # fmt: skip
 
 
 def _fields(layer: LayerWeights) -> tuple[torch.Tensor | None, ...]:
