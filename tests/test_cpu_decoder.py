@@ -155,7 +155,8 @@ def _weights(s: cpu_decoder.DecoderShape) -> cpu_decoder.LayerWeights:
 def test_the_engine_decodes_the_same_tokens_and_logprobs_with_it_off(
     tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, dtype: str
 ) -> None:
-    """Chunked prefills beside decodes, batches shrinking as requests finish: exactly the same outputs."""
+    """Chunked prefills beside decodes, batches shrinking as requests finish: exactly the same outputs. Fixed
+    token budgets (max_step_ms=0): budgets from measured step times would chunk the two runs differently."""
     from mmserve import LLM, SamplingParams
 
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 40, 9)]
@@ -165,7 +166,7 @@ def test_the_engine_decodes_the_same_tokens_and_logprobs_with_it_off(
     monkeypatch.setattr(cpu_decoder.DecodeStack, "forward", lambda *a: calls.append(1) or forward(*a))
     for setting in ("0", "1"):
         monkeypatch.setenv(cpu_decoder.ENV, setting)
-        llm = LLM(str(tiny_model_dir("qwen3")), dtype=dtype, max_num_batched_tokens=32)
+        llm = LLM(str(tiny_model_dir("qwen3")), dtype=dtype, max_num_batched_tokens=32, max_step_ms=0)
         outputs[setting] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         llm.close()
         assert (len(calls) > 10) == (setting == "1")  # the decode-only steps, once it is on

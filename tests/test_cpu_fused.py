@@ -130,7 +130,7 @@ def test_decoder_greedy_tokens_are_the_same_through_either_set_of_ops(
     for name in ("torch", "cpu"):
         monkeypatch.setenv("MMSERVE_ELEMENTWISE_BACKEND", name)
         assert dispatch.get_elementwise_ops(torch.device("cpu")).name == name  # what the runner will take
-        llm = LLM(str(tiny_model_dir("qwen2")), dtype=dtype, max_num_batched_tokens=32)
+        llm = LLM(str(tiny_model_dir("qwen2")), dtype=dtype, max_num_batched_tokens=32, max_step_ms=0)
         tokens[name] = [o.token_ids for o in llm.generate(prompts, params)]
     assert tokens["cpu"] == tokens["torch"]
 

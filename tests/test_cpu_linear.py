@@ -72,6 +72,18 @@ def test_c_kernel_takes_a_column_major_x_and_is_batch_invariant() -> None:
     assert torch.equal(small_linear(x[5:9], w, b), alone[5:9])
 
 
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_f", [512, 523])  # 523: a tail after the vectors
+def test_a_row_sums_alike_whatever_rows_share_its_call(dtype: torch.dtype, in_f: int) -> None:
+    """Every count of rows sharing a tile (1-8, 4 with AVX-512), and tiles split across calls: bit-identical."""
+    x, w, b = _operands(17, 40, in_f, dtype, True)
+    alone = torch.cat([small_linear(x[i : i + 1], w, b) for i in range(17)])
+    for rows in range(2, 18):
+        assert torch.equal(small_linear(x[:rows], w, b), alone[:rows]), rows
+    assert torch.equal(small_linear(x[3:14], w, b), alone[3:14])
+
+
 def test_inputs_the_kernel_does_not_take_fall_back_to_blas() -> None:
     x, w, b = _operands(3, 40, 24, torch.float64, True)  # fp64: not the kernel's
     torch.testing.assert_close(small_linear(x, w, b), F.linear(x, w, b))

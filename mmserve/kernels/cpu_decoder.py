@@ -23,6 +23,7 @@ _KERNEL = CKernel("decoder_decode.c", "decoder_decode", _ARGTYPES)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ENV = "MMSERVE_CPU_DECODE_STACK"  # 0: every step composed, layer by layer (the model runner reads it)
 _MAX_HEADS = 64  # cpu_attention's kernel's
+_MAX_HIDDEN, _MAX_HEAD_DIM = 32768, 1024  # cpu_fused's kernels' (past them the composed path takes the torch twins)
 
 
 class _Kernels(ctypes.Structure):
@@ -101,6 +102,8 @@ class DecodeStack:
             return "no layers, or a layer with one of the q/k norms"
         if shape.num_heads > _MAX_HEADS or shape.num_heads % shape.num_kv_heads or shape.head_dim % 2:
             return f"{shape.num_heads} query heads over {shape.num_kv_heads} KV heads of {shape.head_dim} dims"
+        if shape.hidden > _MAX_HIDDEN or shape.head_dim > _MAX_HEAD_DIM:
+            return f"hidden size {shape.hidden} or head_dim {shape.head_dim} past the C kernels' limits"
         expected = _shapes(shape)
         for i, layer in enumerate(layers):
             for name, tensor in zip(expected, _fields(layer), strict=True):

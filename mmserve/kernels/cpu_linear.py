@@ -43,9 +43,10 @@ _C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # (x, weight, bias or NULL, out, rows, in_features, out_features, dtype, num_threads)
-# -ffp-contract=off: the source fuses its products and sums itself, the same way at every row count
+# -ffp-contract=off -fno-associative-math: the source fuses its products and orders its sums itself, the same
+# way at every row count (a row's result must not depend on the rows beside it)
 _KERNEL = CKernel("small_linear.c", "small_linear", [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
-                  cflags=("-ffp-contract=off",))  # fmt: skip
+                  cflags=("-ffp-contract=off", "-fno-associative-math"))  # fmt: skip
 
 
 def load() -> ctypes._CFuncPtr | None:
@@ -216,7 +217,8 @@ def _measure(
 def _cache_key(weights: list[tuple[torch.Tensor, torch.Tensor | None]], candidates: list[str]) -> str:
     shapes = [(tuple(w.shape), b is not None) for w, b in weights]
     kernel = _KERNEL.source.read_bytes() if "c" in candidates else b""
-    facts = [cpu_fingerprint(), torch.__version__, str(weights[0][0].dtype), torch.get_num_threads(), shapes, candidates]
+    facts = [cpu_fingerprint(), torch.__version__, str(weights[0][0].dtype), torch.get_num_threads(), shapes, candidates,
+             list(_KERNEL.cflags)]  # fmt: skip
     return hashlib.sha256(json.dumps(facts).encode() + kernel).hexdigest()[:24]
 
 

@@ -283,8 +283,15 @@ class Decoder(nn.Module):
             if hasattr(m, "linear_paths"):  # Linear and its parallel kinds, QuantizedLinear
                 m.linear_paths = paths
 
+    def _apply(self, fn: object, recurse: bool = True) -> Decoder:
+        """nn.Module.to & co. may move the weights: the decode stack holds them as they were, so it goes (enable
+        it again after)."""
+        self.decode_stack = None
+        return super()._apply(fn, recurse)  # type: ignore[arg-type]
+
     def set_elementwise_ops(self, ops: ElementwiseOps) -> None:
-        """Every layer's elementwise steps from now on take `ops`."""
+        """Every layer's elementwise steps from now on take `ops` (the decode stack, built on the C ones, goes)."""
+        self.decode_stack = None
         for m in self.modules():
             if hasattr(m, "elementwise"):  # Decoder, DecoderLayer, Attention, MLP
                 m.elementwise = ops

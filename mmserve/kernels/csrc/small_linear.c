@@ -38,9 +38,10 @@
 typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
 typedef uint16_t vhalf __attribute__((vector_size(VL * sizeof(uint16_t))));
 typedef uint32_t vuint __attribute__((vector_size(VL * sizeof(uint32_t))));
-/* a * b + c. Built with -ffp-contract=off (kernels/cpu_linear.py), so the compiler never decides per inlined copy
- * whether to fuse a product and a sum: it fused them differently for one x row than for several, and a row's
- * result then depended on the rows beside it. The fused instruction is asked for where the CPU has it. */
+/* a * b + c. Built with -ffp-contract=off -fno-associative-math (kernels/cpu_linear.py), so the compiler never
+ * decides per inlined copy how to fuse or order a row's products and sums: it fused them differently for one x row
+ * than for several, and a row's result then depended on the rows beside it. The fused instruction is asked for
+ * where the CPU has it. */
 static inline __attribute__((always_inline)) vfloat fmadd(vfloat a, vfloat b, vfloat c) {
 #if defined(__AVX__) && defined(__FMA__)
     return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
@@ -130,8 +131,8 @@ static inline __attribute__((always_inline)) void tile(const float *x32, const v
         }
     }
     for (int j = 0; j < nx; j++) {
-        float s = 0.0f;
-        for (int l = 0; l < VL; l++) s += a[j][l];
+        const vfloat v = a[j]; /* the lanes summed as a tree, spelled out: the order is ours, not the compiler's */
+        float s = ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
         for (int64_t t = k; t < in; t++)
             s += (bf16 ? bf16_to_f32(((const uint16_t *)wr)[t]) : ((const float *)wr)[t]) * xr[j][t];
         acc[0][j] = s;
