@@ -1,7 +1,7 @@
 """Times builds of csrc/small_linear.c against each other and MKL's (W @ x^T) over the bench checkpoint's linear
 weights, interleaved passes, median of 9 per row count; also the largest difference from the first build's output.
 
-  gcc -O3 -march=native -ffast-math -ffp-contract=off -fopenmp -fPIC -c -o new.o mmserve/kernels/csrc/small_linear.c
+  gcc -O3 -march=native -ffast-math -ffp-contract=off -fno-associative-math -fopenmp -fPIC -c -o new.o mmserve/kernels/csrc/small_linear.c
   gcc -shared -fopenmp -o new.so new.o -lm            # likewise old.so from `git show REV:mmserve/kernels/csrc/...`
   python scripts/small_linear_ab.py --rows 1,2,4,8,16 old=old.so new=new.so [--bf16]
 """
