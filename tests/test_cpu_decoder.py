@@ -167,6 +167,8 @@ def test_the_engine_decodes_the_same_tokens_and_logprobs_with_it_off(
     for setting in ("0", "1"):
         monkeypatch.setenv(cpu_decoder.ENV, setting)
         llm = LLM(str(tiny_model_dir("qwen3")), dtype=dtype, max_num_batched_tokens=32, max_step_ms=0)
+        assert llm.info().decode_stack == (setting == "1")
+        assert ("decode steps: one C call" in llm.info().banner()) == (setting == "1")
         outputs[setting] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         llm.close()
         assert (len(calls) > 10) == (setting == "1")  # the decode-only steps, once it is on

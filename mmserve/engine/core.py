@@ -173,6 +173,7 @@ class EngineCore:
             disaggregation=self._disaggregation(),
             decode_graph_mode=graph_mode,
             decode_graph_sizes=graph_sizes,
+            decode_stack=self.executor.decode_stack_blocker() is None,
         )
 
     def _disaggregation(self) -> str | None:

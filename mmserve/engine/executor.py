@@ -45,6 +45,10 @@ class Executor(Protocol):
         """Bytes of model weights each rank holds (the first rank's)."""
         ...
 
+    def decode_stack_blocker(self) -> str | None:
+        """Why the first rank's decode-only steps run layer by layer (None: as one C call on the CPU)."""
+        ...
+
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         """(requests the workers keep state for, their encoder-cache keys): for leak checks."""
         ...
@@ -94,6 +98,9 @@ class InProcessExecutor:
 
     def weight_bytes(self) -> int:
         return self._runner.weight_bytes()
+
+    def decode_stack_blocker(self) -> str | None:
+        return self._runner.decode_stack_blocker
 
     def held_state(self) -> tuple[int, list[tuple[str, int]]]:
         return self._runner.held_state()

@@ -79,6 +79,7 @@ class EngineInfo:
     disaggregation: str | None = None
     decode_graph_mode: str = "off"  # "cuda": decode steps replayed from CUDA graphs; "static": the test mode
     decode_graph_sizes: tuple[int, ...] = ()  # the batch sizes captured
+    decode_stack: bool = False  # CPU decode-only steps run the decoder as one C call (kernels/cpu_decoder.py)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -112,4 +113,5 @@ class EngineInfo:
             + (f"; disaggregation: {self.disaggregation}" if self.disaggregation else "")
             + (f"; decode graphs ({self.decode_graph_mode}) at {len(self.decode_graph_sizes)} batch sizes "
                f"{self.decode_graph_sizes[0]}-{self.decode_graph_sizes[-1]}" if self.decode_graph_sizes else "")
+            + ("; decode steps: one C call" if self.decode_stack else "")
         )

@@ -275,6 +275,9 @@ class MultiRankExecutor:
     def weight_bytes(self) -> int:
         return self._runner.weight_bytes()
 
+    def decode_stack_blocker(self) -> str | None:
+        return self._runner.decode_stack_blocker
+
     def local_model(self) -> nn.Module | None:
         return None  # this process holds only the first rank's shard
 
