@@ -32,6 +32,7 @@ from mmserve.engine.decode_graphs import DecodeGraphs, choose_mode
 from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
+from mmserve.engine.huge_pages import move_to_huge_pages
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
 from mmserve.kernels import cpu_decoder
 from mmserve.kernels.cpu_linear import choose_paths
@@ -103,6 +104,8 @@ class ModelRunner:
         model = load_decoder(model_dir, cfg, self.backend, tp, fused_moe, quant_compute, device=torch.device(device),
                              **quant_kernels)  # fmt: skip
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        # On the CPU the weights move to huge pages (engine/huge_pages.py): the region lives as long as the runner.
+        self.weight_region = move_to_huge_pages(self.model) if torch.device(device).type == "cpu" else None
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = rotary_embedding(cfg).to(device)
         # On the CPU, the product each decode row count takes: measured once per machine and model, cached.
