@@ -14,7 +14,22 @@ from torch import nn
 
 from mmserve.engine import huge_pages
 
-pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+
+def _advice_taken() -> bool:
+    """Whether this kernel takes MADV_HUGEPAGE (built without THP it refuses it, and the weights stay put)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    region = mmap.mmap(-1, 1 << 21, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+        return True
+    except OSError:
+        return False
+    finally:
+        region.close()
+
+
+pytestmark = pytest.mark.skipif(not _advice_taken(), reason="no MADV_HUGEPAGE on this platform or kernel")
 
 
 def _model() -> nn.Module:
