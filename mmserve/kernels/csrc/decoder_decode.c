@@ -59,11 +59,12 @@ enum {
 
 static inline void *at(const int64_t *layer, int field) { return (void *)(intptr_t)layer[field]; }
 
-int decoder_decode(const Kernels *k, const int64_t *layers, int64_t num_layers, const void *final_norm, const void *x, void *out,
-                   const void *cos, const void *sin, const int64_t *slots, const int64_t *block_tables,
-                   int64_t table_stride, const int64_t *seq_lens, int64_t rows, int64_t hidden, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, int64_t inter, int64_t num_blocks, int64_t block_size,
-                   float eps, float scale, int64_t dtype, int64_t num_threads) {
+int decoder_decode(const Kernels *k, const int64_t *layers, int64_t num_layers, const void *final_norm,
+                   const void *x, void *out, const void *cos, const void *sin, const int64_t *slots,
+                   const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, int64_t rows,
+                   int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t inter,
+                   int64_t num_blocks, int64_t block_size, float eps, float scale, int64_t dtype,
+                   int64_t num_threads) {
     if (rows < 1 || num_layers < 1 || (dtype != 0 && dtype != 1)) return 1;
     const int bf16 = dtype == 1;
     const size_t es = bf16 ? 2 : 4;
@@ -88,58 +89,51 @@ int decoder_decode(const Kernels *k, const int64_t *layers, int64_t num_layers, 
     for (int64_t r = 0; r < rows; r++) query_rows[r] = r;
     const int64_t num_slots = num_blocks * block_size;
     int code = 0;
+/* the first kernel that fails ends the step with its code (3: a slot outside the cache, nothing stored) */
+#define TRY(call)                                                                                                \
+    if ((code = (call)) != 0) goto done
     const void *layer_x = x; /* the hidden state entering a layer is layer_x + residual (x alone at layer 0) */
-    for (int64_t l = 0; l < num_layers && code == 0; l++) {
+    for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *layer = layers + l * LAYER_FIELDS;
         void *kv_cache = at(layer, F_KV_CACHE);
         /* normed, residual = add_rms_norm(layer_x, residual) (layer 0: residual = x) */
-        code = k->add_rms_norm(layer_x, hidden, 1, l == 0 ? NULL : buf[RESIDUAL], buf[RESIDUAL], at(layer, F_INPUT_NORM),
-                            buf[NORMED], rows, hidden, eps, dtype, num_threads);
-        if (code == 0)
-            code = k->small_linear(buf[NORMED], at(layer, F_QKV), at(layer, F_QKV_BIAS), buf[QKV], rows, hidden, qkv_size,
-                                dtype, num_threads);
-        if (code == 0)
-            code = k->rotary_qk(buf[QKV], qkv_size, 1, cos, sin, at(layer, F_Q_NORM), at(layer, F_K_NORM), eps, buf[Q],
-                             buf[K], rows, num_heads, num_kv_heads, head_dim, dtype, num_threads);
-        if (code == 0) {
-            const char *v = (const char *)buf[QKV] + (q_size + kv_size) * es;
-            if (k->store_kv(buf[K], kv_size, head_dim, 1, v, qkv_size, head_dim, 1, kv_cache, slots, rows, num_slots,
-                         num_kv_heads, head_dim, (int64_t)es))
-                code = 3;
+        TRY(k->add_rms_norm(layer_x, hidden, 1, l == 0 ? NULL : buf[RESIDUAL], buf[RESIDUAL], at(layer, F_INPUT_NORM),
+                            buf[NORMED], rows, hidden, eps, dtype, num_threads));
+        TRY(k->small_linear(buf[NORMED], at(layer, F_QKV), at(layer, F_QKV_BIAS), buf[QKV], rows, hidden, qkv_size,
+                            dtype, num_threads));
+        TRY(k->rotary_qk(buf[QKV], qkv_size, 1, cos, sin, at(layer, F_Q_NORM), at(layer, F_K_NORM), eps, buf[Q],
+                         buf[K], rows, num_heads, num_kv_heads, head_dim, dtype, num_threads));
+        const char *v = (const char *)buf[QKV] + (q_size + kv_size) * es;
+        TRY(k->store_kv(buf[K], kv_size, head_dim, 1, v, qkv_size, head_dim, 1, kv_cache, slots, rows, num_slots,
+                        num_kv_heads, head_dim, (int64_t)es) ? 3 : 0);
+        const float *query = buf[Q];
+        if (bf16) {
+            float *q32 = buf[Q32];
+            for (int64_t i = 0; i < rows * q_size; i++) q32[i] = bf16_to_f32(((const uint16_t *)buf[Q])[i]);
+            query = q32;
         }
-        if (code == 0) {
-            const float *query = buf[Q];
-            if (bf16) {
-                float *q32 = buf[Q32];
-                for (int64_t i = 0; i < rows * q_size; i++) q32[i] = bf16_to_f32(((const uint16_t *)buf[Q])[i]);
-                query = q32;
-            }
-            code = k->paged_decode_attention(query, kv_cache, bf16 ? KV_BF16 : KV_FP32, NULL, NULL, block_tables,
-                                          table_stride, seq_lens, query_rows, buf[O32], 0, rows, num_blocks, block_size,
-                                          num_heads, num_kv_heads, head_dim, scale, num_threads);
-        }
+        TRY(k->paged_decode_attention(query, kv_cache, bf16 ? KV_BF16 : KV_FP32, NULL, NULL, block_tables, table_stride,
+                                      seq_lens, query_rows, buf[O32], 0, rows, num_blocks, block_size, num_heads,
+                                      num_kv_heads, head_dim, scale, num_threads));
         const void *attn = buf[O32];
-        if (code == 0 && bf16) {
+        if (bf16) {
             uint16_t *narrow = buf[ATTN];
             for (int64_t i = 0; i < rows * q_size; i++) narrow[i] = f32_to_bf16(((const float *)buf[O32])[i]);
             attn = narrow;
         }
-        if (code == 0)
-            code = k->small_linear(attn, at(layer, F_O), NULL, buf[O], rows, q_size, hidden, dtype, num_threads);
-        if (code == 0)
-            code = k->add_rms_norm(buf[O], hidden, 1, buf[RESIDUAL], buf[RESIDUAL], at(layer, F_POST_NORM), buf[NORMED],
-                                rows, hidden, eps, dtype, num_threads);
-        if (code == 0)
-            code = k->small_linear(buf[NORMED], at(layer, F_GATE_UP), NULL, buf[GATE_UP], rows, hidden, 2 * inter, dtype,
-                                num_threads);
-        if (code == 0) code = k->silu_and_mul(buf[GATE_UP], 2 * inter, 1, buf[ACT], rows, inter, dtype, num_threads);
-        if (code == 0)
-            code = k->small_linear(buf[ACT], at(layer, F_DOWN), NULL, buf[H], rows, inter, hidden, dtype, num_threads);
+        TRY(k->small_linear(attn, at(layer, F_O), NULL, buf[O], rows, q_size, hidden, dtype, num_threads));
+        TRY(k->add_rms_norm(buf[O], hidden, 1, buf[RESIDUAL], buf[RESIDUAL], at(layer, F_POST_NORM), buf[NORMED], rows,
+                            hidden, eps, dtype, num_threads));
+        TRY(k->small_linear(buf[NORMED], at(layer, F_GATE_UP), NULL, buf[GATE_UP], rows, hidden, 2 * inter, dtype,
+                            num_threads));
+        TRY(k->silu_and_mul(buf[GATE_UP], 2 * inter, 1, buf[ACT], rows, inter, dtype, num_threads));
+        TRY(k->small_linear(buf[ACT], at(layer, F_DOWN), NULL, buf[H], rows, inter, hidden, dtype, num_threads));
         layer_x = buf[H];
     }
-    if (code == 0)
-        code = k->add_rms_norm(layer_x, hidden, 1, buf[RESIDUAL], NULL, final_norm, out, rows, hidden, eps, dtype,
-                            num_threads);
+    TRY(k->add_rms_norm(layer_x, hidden, 1, buf[RESIDUAL], NULL, final_norm, out, rows, hidden, eps, dtype,
+                        num_threads));
+#undef TRY
+done:
     free(base);
     return code;
 }
