@@ -105,7 +105,7 @@ class ModelRunner:
                              **quant_kernels)  # fmt: skip
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # On the CPU the weights move to huge pages (engine/huge_pages.py): the region lives as long as the runner.
-        self.weight_region = move_to_huge_pages(self.model) if torch.device(device).type == "cpu" else None
+        self.weight_region = move_to_huge_pages(self.model) if self.device.type == "cpu" else None
         # Rebuilt after the cast: the frequency buffers must stay fp32 whatever the weights' dtype.
         self.model.rotary = rotary_embedding(cfg).to(device)
         # On the CPU, the product each decode row count takes: measured once per machine and model, cached.

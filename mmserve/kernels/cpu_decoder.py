@@ -6,6 +6,7 @@ the ~11 Python / ctypes crossings per layer. The model decides when a step may t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -179,5 +180,5 @@ def _shapes(s: DecoderShape) -> dict[str, tuple[int, ...]]:
 
 
 def _fields(layer: LayerWeights) -> tuple[torch.Tensor | None, ...]:
-    return (layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm, layer.o, layer.post_norm,
-            layer.gate_up, layer.down)  # fmt: skip
+    """The layer's tensors in field order: decoder_decode.c's."""
+    return tuple(getattr(layer, f.name) for f in dataclasses.fields(layer))

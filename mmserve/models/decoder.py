@@ -301,7 +301,8 @@ class Decoder(nn.Module):
         the final norm as one C call (`kernels/cpu_decoder.py`: the same kernels, so the same results, without
         the per-layer Python). Call after the weights' cast and `set_elementwise_ops`; returns why it cannot
         (the step then stays composed), or None."""
-        first = self.layers[0].self_attn if len(self.layers) else None
+        if not len(self.layers):
+            return "no layers"
         blockers = [
             (self.cfg.moe_layers, "MoE layers"),
             (self.tp_size > 1, "tensor parallelism"),
@@ -311,9 +312,9 @@ class Decoder(nn.Module):
             (any(not _dense(layer) for layer in self.layers), "quantized or sparse linear layers"),
         ]
         reasons = [reason for blocked, reason in blockers if blocked]
-        if reasons or first is None:
-            return "; ".join(reasons) or "no layers"
-        layers = [_layer_weights(layer) for layer in self.layers]
+        if reasons:
+            return "; ".join(reasons)
+        first, layers = self.layers[0].self_attn, [_layer_weights(layer) for layer in self.layers]
         shape = DecoderShape(self.cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                              layers[0].down.shape[1], self.norm.eps)  # fmt: skip
         stack = DecodeStack.create(layers, self.norm.weight, shape)
