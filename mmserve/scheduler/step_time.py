@@ -132,16 +132,13 @@ class StepTimeModel:
         self._num_scaled = 0
         self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
         self._predicted_s = self._observed_s = self._abs_error_s = 0.0
-        # The prior's rows, [len(_PRIOR_STEPS)] of (a0 = x / t0(x)); scaled by the data's scale at each refit.
+        # The prior's rows a0 = x / t0(x), one per _PRIOR_STEPS entry, each of weight w = prior_weight / rows: every
+        # refit adds w * sum a0 a0^T / scale^2 and w * sum a0 / scale (the data's scale), so the sums are made here.
         c0 = [self.prior[name] for name in FEATURES]
-        self._prior_rows = [
-            [x / t0 for x in f.vector()] for f in _PRIOR_STEPS if (t0 := _dot(c0, f.vector())) > 0.0
-        ]
-        # Their sums, which every refit adds scaled (w * sum a0 a0^T / scale^2, w * sum a0 / scale): summed once here,
-        # not at every step
-        rows = self._prior_rows
-        self._prior_gram = [[sum(a0[i] * a0[j] for a0 in rows) for j in range(k)] for i in range(k)]
-        self._prior_rhs = [sum(a0[i] for a0 in rows) for i in range(k)]
+        rows = [[x / t0 for x in f.vector()] for f in _PRIOR_STEPS if (t0 := _dot(c0, f.vector())) > 0.0]
+        w = prior_weight / max(1, len(rows))
+        self._prior_gram = [[w * sum(a0[i] * a0[j] for a0 in rows) for j in range(k)] for i in range(k)]
+        self._prior_rhs = [w * sum(a0[i] for a0 in rows) for i in range(k)]
 
     # -- prediction ------------------------------------------------------------------------------
     def predict(self, features: StepFeatures) -> float:
@@ -232,9 +229,11 @@ class StepTimeModel:
     def _refit(self) -> None:
         k = len(FEATURES)
         scale = math.exp(self._log_scale)  # the prior's rows price steps at scale x the prior
-        w = self.prior_weight / max(1, len(self._prior_rows))
-        g, r = w / (scale * scale), w / scale
-        gram = [[a + g * p for a, p in zip(row, prior, strict=True)] for row, prior in zip(self._gram, self._prior_gram, strict=True)]
+        g, r = 1.0 / (scale * scale), 1.0 / scale
+        gram = [
+            [a + g * p for a, p in zip(row, prior, strict=True)]
+            for row, prior in zip(self._gram, self._prior_gram, strict=True)
+        ]
         rhs = [a + r * p for a, p in zip(self._rhs, self._prior_rhs, strict=True)]
         active = [j for j in range(k) if gram[j][j] > 0.0]
         while active:
