@@ -1,0 +1,55 @@
+"""The issue's engine overhead at one stream: of each decode-only step (its `StepRecord` duration), the share not spent
+in the model's forward and logits (`Decoder.forward` + `Decoder.compute_logits`, timed around each call). One
+in-process LLM over the bench checkpoint, greedy 256-token replies to 30-token prompts, one line per round.
+
+  python scripts/engine_overhead.py float32 [rounds]      # or bfloat16
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mmserve import LLM, SamplingParams
+from mmserve.models import decoder
+
+
+def main() -> None:
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    model_s: list[float] = []  # per step: forward + logits seconds
+
+    def timed(method: Callable[..., Any], new_step: bool) -> Callable[..., Any]:
+        def wrapper(self: decoder.Decoder, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = method(self, *args, **kwargs)
+            if new_step:
+                model_s.append(0.0)
+            model_s[-1] += time.perf_counter() - start
+            return result
+
+        return wrapper
+
+    decoder.Decoder.forward = timed(decoder.Decoder.forward, True)  # type: ignore[method-assign]
+    decoder.Decoder.compute_logits = timed(decoder.Decoder.compute_logits, False)  # type: ignore[method-assign]
+    llm = LLM(os.path.expanduser("~/.cache/mmserve/bench-qwen2"), dtype=dtype)
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    llm.generate(["the 1 " * 30], params)  # warm-up
+    for round_ in range(rounds):
+        llm.step_records.clear()
+        model_s.clear()
+        llm.generate([f"the {round_ + 2} " * 30], params)
+        if len(llm.step_records) != len(model_s):
+            raise RuntimeError(f"{len(llm.step_records)} steps but {len(model_s)} forwards")
+        decodes = [(r.duration_s, m) for r, m in zip(llm.step_records, model_s, strict=True) if r.num_prefill_tokens == 0]
+        step = sum(d for d, _ in decodes) / len(decodes)
+        model = sum(m for _, m in decodes) / len(decodes)
+        print(f"{dtype}: {len(decodes)} decode steps, step {step * 1e3:.2f} ms, forward + logits {model * 1e3:.2f} ms, "
+              f"engine {(step - model) * 1e3:.2f} ms = {(step - model) / step:.1%} of the step")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
