@@ -231,14 +231,14 @@ static inline __attribute__((always_inline)) void weight_tile(const void *x, con
 }
 #endif
 
-/* Inlined with a constant bf16 at each call: one loop nest per dtype, no per-element branch. Returns 0, or 2
- * when out of memory. */
+/* Returns 0, or 2 when out of memory. */
 static inline __attribute__((always_inline)) int run(const void *x, const void *w, const void *bias, void *out,
                                                       int64_t rows, int64_t in, int64_t out_features, int bf16,
                                                       int64_t num_threads) {
 #ifdef HAVE_AVX512
-    /* Two parallel regions, not one with a runtime tile width: GCC outlines a region before it inlines, so a width
-     * chosen inside would stay a variable there (and the accumulators with it). */
+    /* Two parallel regions, not one with a runtime tile width: GCC outlines a region before it inlines, so what the
+     * body reads from outside it (bf16 too) is a variable there, and a width chosen inside would size the
+     * accumulators at run time (measured slower). */
     if (rows <= SEQ_MAX_ROWS) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t o0 = 0; o0 < out_features; o0++)
