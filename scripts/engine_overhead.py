@@ -42,9 +42,8 @@ def main() -> None:
         llm.step_records.clear()
         model_s.clear()
         llm.generate([f"the {round_ + 2} " * 30], params)
-        if len(llm.step_records) != len(model_s):
-            raise RuntimeError(f"{len(llm.step_records)} steps but {len(model_s)} forwards")
-        decodes = [(r.duration_s, m) for r, m in zip(llm.step_records, model_s, strict=True) if r.num_prefill_tokens == 0]
+        steps = zip(llm.step_records, model_s, strict=True)  # one forward per step
+        decodes = [(r.duration_s, m) for r, m in steps if r.num_prefill_tokens == 0]
         step = sum(d for d, _ in decodes) / len(decodes)
         model = sum(m for _, m in decodes) / len(decodes)
         print(f"{dtype}: {len(decodes)} decode steps, step {step * 1e3:.2f} ms, forward + logits {model * 1e3:.2f} ms, "

@@ -9,10 +9,10 @@
  * intrinsics, of 1 weight row while the x rows are few (each thread then reads its weights as one sequential
  * stream, which the prefetchers follow; 4 weight rows at a time are 4 short streams of one row's length each, and
  * they streamed 1.2-1.9x slower at 1-8 rows on a Zen 4) and of 4 weight rows past that (the FMAs bound the tile
- * there, and each x load then serves 4 weight rows). Elsewhere (AVX2, NEON): GCC's generic vectors, tiles of 1 weight row x 8 x rows,
- * x widened to fp32 once per call: one sequential weight stream per thread and up to 8 independent FMA chains
- * (4 x 4 tiles spill AVX2's 16 registers and read 4 weight rows at once; 1 x 8 streamed the weights at 4 rows as
- * fast as at 1 on a Zen 3, docs/benchmarks.md).
+ * there, and each x load then serves 4 weight rows). Elsewhere (AVX2, NEON): GCC's generic vectors, tiles of 1
+ * weight row x 8 x rows, x widened to fp32 once per call: one sequential weight stream per thread and up to 8
+ * independent FMA chains (4 x 4 tiles spill AVX2's 16 registers and read 4 weight rows at once; 1 x 8 streamed
+ * the weights at 4 rows as fast as at 1 on a Zen 3, docs/benchmarks.md).
  *
  * Layout: x, w, out row-major and contiguous; bias [out_features] or NULL; bf16 as raw uint16 bits.
  * Rounding: fp32 sums in an order of our own (not BLAS's); bf16 results rounded to nearest even. A row's
