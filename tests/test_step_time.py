@@ -141,6 +141,30 @@ def test_error_factor_widens_with_noise_and_nonsense_is_ignored() -> None:
     assert stats.abs_error_s > 0 and stats.error_factor == noisy.error_factor()
 
 
+def test_a_settled_model_refits_on_a_cadence_and_at_once_when_a_step_surprises_it() -> None:
+    """After its first steps, steady decode steps (10% noise) move the fit only every few steps, so the
+    solve is not paid every step; a step the fit mispredicts wildly (a long prefill on a machine slower
+    than the prior) moves it on that very step, and nothing is lost: the later steps keep being summed."""
+    rng = random.Random(5)
+    truth = StepTimeModel({k: 2 * v for k, v in KNOWN.items()})
+    model = StepTimeModel(KNOWN)
+    decode = StepFeatures(4, 4000, 4, 0)
+    for _ in range(40):
+        model.observe(decode, truth.predict(decode) * rng.uniform(0.95, 1.05))
+    changes = 0
+    for _ in range(80):
+        before = dict(model.coefficients)
+        model.observe(decode, truth.predict(decode) * rng.uniform(0.9, 1.1))
+        changes += model.coefficients != before
+    assert 80 // 8 <= changes <= 80 // 8 + 1
+    prefill = StepFeatures(2048, 2048, 1, 0)
+    assert model.predict(prefill) < 0.5 * 3 * truth.predict(prefill)  # the machine just got 3x slower
+    before = dict(model.coefficients)
+    model.observe(prefill, 3 * truth.predict(prefill))
+    assert model.coefficients != before
+    assert model.num_observed == 121
+
+
 def test_tokens_within_inverts_grant_cost() -> None:
     model = StepTimeModel({k: 1.7 * v for k, v in KNOWN.items()})
     for computed, enc in ((0, 0), (1000, 0), (300, 256)):

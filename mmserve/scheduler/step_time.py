@@ -84,7 +84,7 @@ MAX_ERROR_FACTOR = 2.0
 
 
 class StepTimeModel:
-    """t = max(0, sum_i coef_i * feature_i), refitted after every observed step.
+    """t = max(0, sum_i coef_i * feature_i), refitted from the observed steps.
 
     The fit is least squares on the *relative* error (a 2 ms decode step counts as much as a 2 s
     prefill, and a slow outlier step, e.g. a page fault storm, has a bounded pull: its row x / t is
@@ -98,6 +98,11 @@ class StepTimeModel:
     `error_factor` is a high quantile of measured / predicted over the last `window` steps: how much
     longer than predicted a step may turn out. Planners divide their time targets by it, so the margin
     widens when the model is wrong and shrinks back when it is right.
+
+    Every step enters the sums; the solve runs after each of the first `_WARMUP_STEPS` steps, after any
+    step it mispredicted by more than `_SURPRISE`, and otherwise every `_REFIT_EVERY` steps. Between two
+    solves the sums move by a few forgetting factors, so the fit they would give differs little from the
+    one in use, and the solve is most of the cost of an observe that runs every step.
     """
 
     def __init__(
@@ -131,10 +136,11 @@ class StepTimeModel:
         self._log_scale = 0.0  # mean log(measured / prior prediction): the data's scale against the prior
         self._num_scaled = 0
         self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
+        self._steps_since_refit = 0
         self._predicted_s = self._observed_s = self._abs_error_s = 0.0
         # The prior's rows a0 = x / t0(x), one per _PRIOR_STEPS entry, each of weight w = prior_weight / rows: every
         # refit adds w * sum a0 a0^T / scale^2 and w * sum a0 / scale (the data's scale), so the sums are made here.
-        c0 = [self.prior[name] for name in FEATURES]
+        self._prior_vector = c0 = [self.prior[name] for name in FEATURES]  # [k]
         rows = [[x / t0 for x in f.vector()] for f in _PRIOR_STEPS if (t0 := _dot(c0, f.vector())) > 0.0]
         w = prior_weight / max(1, len(rows))
         self._prior_gram = [[w * sum(a0[i] * a0[j] for a0 in rows) for j in range(k)] for i in range(k)]
@@ -193,7 +199,8 @@ class StepTimeModel:
 
     # -- online fit ------------------------------------------------------------------------------
     def observe(self, features: StepFeatures, measured_s: float) -> None:
-        """Account one executed step and refit. Nonsense times (<= 0, inf, nan) are ignored."""
+        """Account one executed step and refit when due (see the class). Nonsense times (<= 0, inf, nan)
+        are ignored."""
         if not (measured_s > 0.0) or not math.isfinite(measured_s):
             return
         x = features.vector()
@@ -204,7 +211,7 @@ class StepTimeModel:
         self._abs_error_s += abs(measured_s - predicted)
         if predicted > 0.0:
             self._ratios.append(measured_s / predicted)
-        prior = _dot([self.prior[name] for name in FEATURES], x)
+        prior = _dot(self._prior_vector, x)
         if prior > 0.0:
             # A running mean at first, then an exponential one; after the first step one step moves it by
             # at most a factor 4 (an outlier cannot rescale the prior wholesale).
@@ -220,11 +227,17 @@ class StepTimeModel:
         weight = 1.0 if abs(over) <= _HUBER else _HUBER / abs(over)
         lam = self.forgetting
         self._rhs = [lam * r + weight * ai for r, ai in zip(self._rhs, a, strict=True)]
-        self._gram = [
-            [lam * g + wa * aj for g, aj in zip(row, a, strict=True)]
-            for row, wa in zip(self._gram, (weight * ai for ai in a), strict=True)
-        ]
-        self._refit()
+        for row, ai in zip(self._gram, a, strict=True):
+            wa = weight * ai
+            row[:] = [lam * g + wa * aj for g, aj in zip(row, a, strict=True)]
+        self._steps_since_refit += 1
+        if (
+            self.num_observed <= _WARMUP_STEPS
+            or self._steps_since_refit >= _REFIT_EVERY
+            or abs(measured_s - predicted) > _SURPRISE * measured_s
+        ):
+            self._steps_since_refit = 0
+            self._refit()
 
     def _refit(self) -> None:
         k = len(FEATURES)
@@ -308,6 +321,11 @@ class StepTimeModel:
 
 
 _HUBER = 1.0  # rows the model over-predicts by more than this (relative) pull with weight _HUBER / error
+# The refit cadence (see StepTimeModel): a solve after each of the first steps, after a step mispredicted by more
+# than _SURPRISE of its measured time (a new shape, a machine that changed speed), else every _REFIT_EVERY steps.
+_WARMUP_STEPS = 32
+_SURPRISE = 0.25
+_REFIT_EVERY = 8
 
 
 def _dot(a: list[float], b: tuple[float, ...] | list[float]) -> float:
