@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmserve.engine import sampler as sampler_module
-from mmserve.engine.sampler import Sampler, SamplingMetadata
+from mmserve.engine.sampler import Sampler, SamplingMetadata, SamplingMetadataCache, TokenEntries
 from mmserve.request import SamplingParams
 
 CPU = torch.device("cpu")
@@ -43,6 +43,60 @@ def test_metadata_from_params() -> None:
     assert plain.top_k is None and plain.top_p is None and plain.max_num_logprobs is None
     assert plain.all_greedy  # a temperature too small to divide by is greedy
     assert plain.temperature.tolist() == [0.0, 0.0]
+
+
+def _same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> bool:
+    def same(x: object, y: object) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, TokenEntries) and isinstance(y, TokenEntries):
+            return same(x.rows, y.rows) and same(x.token_ids, y.token_ids) and same(x.values, y.values)
+        if isinstance(x, dict) and isinstance(y, dict):  # generators: the same rows in the same state
+            return x.keys() == y.keys() and all(torch.equal(x[k].get_state(), y[k].get_state()) for k in x)
+        return x == y
+
+    return all(same(getattr(a, f), getattr(b, f)) for f in SamplingMetadata.__dataclass_fields__)
+
+
+def test_metadata_cache_reuses_a_build_only_while_it_cannot_change() -> None:
+    """Each step's metadata equals a fresh `from_params`; it is the previous step's object only when the
+    rows are the same params objects in the same order and none depends on the step."""
+    eos = [2]
+    static = [
+        SamplingParams(temperature=0.0, logit_bias={5: 1.5}, logprobs=1),
+        SamplingParams(temperature=0.8, top_k=4, top_p=0.9, min_tokens=2),  # unseeded: the global RNG
+    ]
+    stepwise = [
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(min_tokens=3),
+        SamplingParams(bad_words_token_ids=((4, 5),)),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=0.5),
+    ]
+    cache = SamplingMetadataCache()
+
+    def build(params: list[SamplingParams], indices: list[int], **kw: object) -> SamplingMetadata:
+        history = [[4] * (n + 3) for n in indices]
+        got = cache.build(params, indices, CPU, token_ids=history, eos_token_ids=eos, vocab_size=16, **kw)
+        fresh = SamplingMetadata.from_params(params, indices, CPU, token_ids=history, eos_token_ids=eos,
+                                             vocab_size=16, **kw)  # fmt: skip
+        assert _same_metadata(got, fresh)
+        return got
+
+    first = build(static, [2, 5])
+    assert build(static, [3, 6]) is first and build(static, [9, 9]) is first
+    assert build(static[::-1], [6, 3]) is not first  # another order is another build
+    assert build([static[0], SamplingParams(**vars(static[1]))], [4, 7]) is not first  # equal, not the same
+    for params in stepwise:
+        rows = [static[0], params]
+        assert build(rows, [4, 1]) is not build(rows, [5, 2])
+    # A params object shared by a request past min_tokens and a new one: the new one's ban is built.
+    build(static, [3, 6])
+    assert build(static, [3, 6]).min_tokens_ban is None
+    assert build(static, [3, 0]).min_tokens_ban is not None
+    grammar = ([0], torch.full((1, 1), -1, dtype=torch.int32))
+    assert build(static, [3, 6], grammar=grammar) is not build(static, [3, 6], grammar=grammar)
 
 
 def test_greedy_is_argmax_with_lowest_index_on_ties(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ from mmserve.engine.ec_connector import SharedEncoderStore
 from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder_work
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.huge_pages import move_to_huge_pages
-from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadata
+from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadataCache
 from mmserve.kernels import cpu_decoder
 from mmserve.kernels.cpu_linear import choose_paths
 from mmserve.kernels.dispatch import (
@@ -125,6 +125,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=device) for _ in range(cfg.num_layers)]
         self.decode_stack_blocker = self._enable_decode_stack()
         self.sampler = Sampler()
+        self.sampling_metadata = SamplingMetadataCache()  # one build per change of the sampled rows
         self.requests = RequestStates()  # what the plans so far have sent of each running request
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
         if mm_encoder_tp_mode not in ("data", "weights"):
@@ -319,11 +320,13 @@ class ModelRunner:
             hidden = self.model(batch, self.kv_caches, embeds, deepstack)  # [num_tokens, hidden]
         sampled = [v for v in views if v.scheduled.sample]
         # [num_sampled, vocab] fp32 on the first rank; None on the others (and when nothing samples)
-        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampled else None
+        # Every row sampled (decodes alone) means logits_indices is 0..n-1: no gather then.
+        sampled_hidden = hidden if len(sampled) == hidden.shape[0] else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(sampled_hidden) if sampled else None
         sampling_start = time.perf_counter()
         if logits is None:  # a prefill chunk that samples nothing, or a rank that does not sample
             return ModelRunnerOutput((), (), (), failed, encoder_s, sampling_start - forward_start, 0.0)
-        metadata = SamplingMetadata.from_params(
+        metadata = self.sampling_metadata.build(
             [v.state.data.sampling_params for v in sampled],
             [v.num_output_tokens for v in sampled],
             self.device,
@@ -566,7 +569,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         mrope_rows: list[tuple[int, int, torch.Tensor, int]] = []  # (batch rows, prompt positions, from)
         max_blocks = max(len(v.state.block_ids) for v in views)
-        block_tables = []
+        block_tables: list[int] = []  # [num_seqs * max_blocks], row-major
         for v, r in zip(views, rows, strict=True):
             input_ids.extend(v.token_ids)
             positions.extend(r.positions)
@@ -580,22 +583,27 @@ class ModelRunner:
             if v.scheduled.sample:
                 logits_indices.append(query_start_loc[-1] - 1)
             block_ids = v.state.block_ids
-            block_tables.append(block_ids + [0] * (max_blocks - len(block_ids)))
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long).expand(3, -1)
+            block_tables += block_ids
+            block_tables += [0] * (max_blocks - len(block_ids))
+        # One host tensor (and one copy to the device) for the five int64 inputs; each is a view of it.
+        host = torch.tensor(input_ids + positions + slots + logits_indices + block_tables, dtype=torch.long)
+        ids_t, pos_t, slots_t, logits_t, tables_t = host.to(self.device).split(
+            [len(input_ids), len(positions), len(slots), len(logits_indices), len(block_tables)]
+        )
+        pos = pos_t.expand(3, -1)  # [3, num_tokens]: text rows have equal t, h and w
         if mrope_rows:
-            pos = pos.clone()
+            pos = pos.cpu().clone()
             for r0, r1, prompt_positions, start in mrope_rows:
                 pos[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
-        pos = pos.to(dev)
-        tables = torch.tensor(block_tables, dtype=torch.long, device=dev)
+            pos = pos.to(self.device)
+        tables = tables_t.view(len(views), max_blocks)
         build_metadata = self.backend.step_metadata  # None: this backend's attention builds its own per layer
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            input_ids=ids_t,
             positions=pos,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slots_t,
             block_tables=tables,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            logits_indices=logits_t,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             attention_metadata=None if build_metadata is None else build_metadata(tables, query_start_loc, seq_lens),

@@ -195,6 +195,69 @@ class SamplingMetadata:
         )
 
 
+class SamplingMetadataCache:
+    """Builds each step's SamplingMetadata (`build` takes `SamplingMetadata.from_params`'s arguments) and
+    hands the last one back while it is still right: the step samples the same `SamplingParams` objects in
+    the same order, no grammar constrains it, and none of its rows depends on the step. A row depends on
+    the step when its inputs change as it generates: a seeded random row (its generator is seeded per
+    token), a min_tokens ban still in force, bad words or a penalty (they read the tokens so far). The
+    rest of a row's inputs are its params', so equal params objects give an equal metadata; a params
+    object shared by several requests (one `generate` call) is fine for the same reason.
+
+    The metadata is only read by the sampler (seeded generators, the one thing a draw advances, are never
+    reused), so the same object serves any number of steps."""
+
+    def __init__(self) -> None:
+        self._params: list[SamplingParams] = []  # the cached metadata's rows; empty: nothing cached
+        self._metadata: SamplingMetadata | None = None
+
+    def build(
+        self,
+        params: Sequence[SamplingParams],
+        output_indices: Sequence[int],
+        device: torch.device,
+        *,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
+        grammar: tuple[Sequence[int], torch.Tensor] | None = None,
+    ) -> SamplingMetadata:
+        cached = self._metadata
+        if (
+            cached is not None
+            and grammar is None
+            and len(params) == len(self._params)
+            and all(p is q and n >= p.min_tokens for p, q, n in zip(params, self._params, output_indices, strict=True))
+        ):
+            return cached
+        metadata = SamplingMetadata.from_params(
+            params,
+            output_indices,
+            device,
+            token_ids=token_ids,
+            eos_token_ids=eos_token_ids,
+            vocab_size=vocab_size,
+            grammar=grammar,
+        )
+        reusable = grammar is None and not any(
+            _depends_on_step(p, n) for p, n in zip(params, output_indices, strict=True)
+        )
+        self._params, self._metadata = (list(params), metadata) if reusable else ([], None)
+        return metadata
+
+
+def _depends_on_step(params: SamplingParams, output_index: int) -> bool:
+    """Whether a row's sampling inputs change from one step to the next (see SamplingMetadataCache)."""
+    return (
+        (params.seed is not None and params.temperature >= _MIN_TEMPERATURE)
+        or output_index < params.min_tokens
+        or bool(params.bad_words_token_ids)
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
 def _processor_inputs(
     params: Sequence[SamplingParams],
     output_indices: Sequence[int],
