@@ -137,6 +137,7 @@ class StepTimeModel:
         self._num_scaled = 0
         self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
         self._steps_since_refit = 0
+        self._error_factor = 1.0  # see error_factor
         self._predicted_s = self._observed_s = self._abs_error_s = 0.0
         # The prior's rows a0 = x / t0(x), one per _PRIOR_STEPS entry, each of weight w = prior_weight / rows: every
         # refit adds w * sum a0 a0^T / scale^2 and w * sum a0 / scale (the data's scale), so the sums are made here.
@@ -185,12 +186,14 @@ class StepTimeModel:
 
     def error_factor(self) -> float:
         """How much longer than predicted a step may run: the `error_quantile` of measured / predicted
-        over the recent steps, within [1, MAX_ERROR_FACTOR] (1 before any step: the prior is already slow)."""
-        if not self._ratios:
-            return 1.0
+        over the recent steps, within [1, MAX_ERROR_FACTOR] (1 before any step: the prior is already slow).
+        Kept up to date by `observe`: the planners read it several times a step."""
+        return self._error_factor
+
+    def _update_error_factor(self) -> None:
         ranked = sorted(self._ratios)
         q = ranked[max(0, math.ceil(self.error_quantile * len(ranked)) - 1)]
-        return min(max(q, 1.0), MAX_ERROR_FACTOR)
+        self._error_factor = min(max(q, 1.0), MAX_ERROR_FACTOR)
 
     def stats(self) -> StepTimeStats:
         return StepTimeStats(
@@ -211,6 +214,7 @@ class StepTimeModel:
         self._abs_error_s += abs(measured_s - predicted)
         if predicted > 0.0:
             self._ratios.append(measured_s / predicted)
+            self._update_error_factor()
         prior = _dot(self._prior_vector, x)
         if prior > 0.0:
             # A running mean at first, then an exponential one; after the first step one step moves it by
