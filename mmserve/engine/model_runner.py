@@ -336,14 +336,13 @@ class ModelRunner:
             grammar=grammar.for_rows([v.request_id for v in sampled]) if grammar is not None else None,
         )
         out = self.sampler(logits, metadata)
-        # The step's only host sync: copy every result at once.
-        host = [
-            t.to("cpu", non_blocking=True) if t is not None else None
-            for t in (out.token_ids, out.logprob_token_ids, out.logprobs)
-        ]
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        token_ids, lp_ids, lps = host
+        token_ids, lp_ids, lps = out.token_ids, out.logprob_token_ids, out.logprobs
+        if self.device.type != "cpu":  # the step's only host sync: copy every result at once
+            token_ids, lp_ids, lps = (
+                t.to("cpu", non_blocking=True) if t is not None else None for t in (token_ids, lp_ids, lps)
+            )
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         logprobs: list[dict[int, float] | None] = []
         for row, v in enumerate(sampled):
             k = v.state.data.sampling_params.logprobs
@@ -585,11 +584,16 @@ class ModelRunner:
             block_ids = v.state.block_ids
             block_tables += block_ids
             block_tables += [0] * (max_blocks - len(block_ids))
-        # One host tensor (and one copy to the device) for the five int64 inputs; each is a view of it.
-        host = torch.tensor(input_ids + positions + slots + logits_indices + block_tables, dtype=torch.long)
-        ids_t, pos_t, slots_t, logits_t, tables_t = host.to(self.device).split(
-            [len(input_ids), len(positions), len(slots), len(logits_indices), len(block_tables)]
-        )
+        # One host tensor (and one copy to the device) for the five int64 inputs; each is a view of it, sliced
+        # (one kind of op: after a forward has streamed the weights through the caches, each kind of torch op a
+        # step uses costs its code's cache misses once, which outweighs the work of these few elements).
+        flat = input_ids + positions + slots + logits_indices + block_tables
+        host = torch.tensor(flat, dtype=torch.long).to(self.device)
+        a = len(input_ids)
+        b = a + len(positions)
+        c = b + len(slots)
+        d = c + len(logits_indices)
+        ids_t, pos_t, slots_t, logits_t, tables_t = host[:a], host[a:b], host[b:c], host[c:d], host[d:]
         pos = pos_t.expand(3, -1)  # [3, num_tokens]: text rows have equal t, h and w
         if mrope_rows:
             pos = pos.cpu().clone()

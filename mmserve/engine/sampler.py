@@ -6,6 +6,7 @@ Knows `SamplingParams`, token ids and tensors only: nothing of requests, the sch
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -124,9 +125,10 @@ class SamplingMetadata:
     repetition: TokenEntries | None = None  # every prompt and output token; values [N]: the penalty
     presence_frequency: TokenEntries | None = None  # every output token; values [N, 2]: (presence, frequency)
 
-    @property
+    @functools.cached_property
     def processes_logits(self) -> bool:
-        """Whether any row's logits change before temperature (a grammar or a logits processor)."""
+        """Whether any row's logits change before temperature (a grammar or a logits processor). Cached: the
+        fields are frozen, and one metadata may serve many steps (SamplingMetadataCache)."""
         return any(
             x is not None
             for x in (

@@ -98,12 +98,10 @@ def decode_rows(block_tables: torch.Tensor, query_start_loc: list[int], seq_lens
     and block_tables[i] ([num_seqs, max_blocks] int64)."""
     seqs = decode_seqs(query_start_loc)
     tables = block_tables if len(seqs) == len(seq_lens) else block_tables[seqs]
-    return DecodeRows(
-        seqs=seqs,
-        block_tables=tables.to(torch.int64).contiguous(),
-        seq_lens=torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int64),
-        rows=torch.tensor([query_start_loc[i] for i in seqs], dtype=torch.int64),
-    )
+    if tables.dtype != torch.int64 or not tables.is_contiguous():  # the runner's are already both
+        tables = tables.to(torch.int64).contiguous()
+    host = torch.tensor([seq_lens[i] for i in seqs] + [query_start_loc[i] for i in seqs], dtype=torch.int64)
+    return DecodeRows(seqs=seqs, block_tables=tables, seq_lens=host[: len(seqs)], rows=host[len(seqs) :])
 
 
 def prefill_attention(
