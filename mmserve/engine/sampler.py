@@ -10,6 +10,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -214,17 +215,11 @@ class SamplingMetadataCache:
         self._metadata: SamplingMetadata | None = None
 
     def build(
-        self,
-        params: Sequence[SamplingParams],
-        output_indices: Sequence[int],
-        device: torch.device,
-        *,
-        token_ids: Sequence[Sequence[int]] | None = None,
-        eos_token_ids: Sequence[int] = (),
-        vocab_size: int | None = None,
-        grammar: tuple[Sequence[int], torch.Tensor] | None = None,
+        self, params: Sequence[SamplingParams], output_indices: Sequence[int], device: torch.device, **options: Any
     ) -> SamplingMetadata:
-        cached = self._metadata
+        """`SamplingMetadata.from_params(params, output_indices, device, **options)`, or the last one if still right.
+        The caller passes the same device, `eos_token_ids` and `vocab_size` every time (one runner's)."""
+        cached, grammar = self._metadata, options.get("grammar")
         if (
             cached is not None
             and grammar is None
@@ -232,15 +227,7 @@ class SamplingMetadataCache:
             and all(p is q and n >= p.min_tokens for p, q, n in zip(params, self._params, output_indices, strict=True))
         ):
             return cached
-        metadata = SamplingMetadata.from_params(
-            params,
-            output_indices,
-            device,
-            token_ids=token_ids,
-            eos_token_ids=eos_token_ids,
-            vocab_size=vocab_size,
-            grammar=grammar,
-        )
+        metadata = SamplingMetadata.from_params(params, output_indices, device, **options)
         reusable = grammar is None and not any(
             _depends_on_step(p, n) for p, n in zip(params, output_indices, strict=True)
         )
