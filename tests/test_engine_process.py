@@ -284,6 +284,13 @@ def serve(model: str, port: int, tmp_path: Path, *extra: str) -> subprocess.Pope
     )  # fmt: skip
 
 
+def socket_dirs(*procs: psutil.Process) -> set[str]:
+    """The directories of the ZeroMQ ipc sockets that these processes have bound (mmserve's, under the
+    temporary directory)."""
+    paths = {c.laddr for p in procs for c in p.net_connections(kind="unix") if isinstance(c.laddr, str)}
+    return {os.path.dirname(path) for path in paths if os.path.basename(os.path.dirname(path)).startswith("mmserve-")}
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     """Until `url`/health answers 200; fails if the server exits first (with its output) or is late."""
     deadline = time.monotonic() + timeout_s
@@ -364,10 +371,13 @@ def test_sigkill_of_the_api_process_takes_the_core_and_the_decode_workers_with_i
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     assert started.wait(30)
+    sockets = socket_dirs(psutil.Process(proc.pid), *children)
+    assert len(sockets) == 1  # the core's: its input and the API process's output socket
     proc.kill()
     proc.wait()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [c.cmdline() for c in alive]  # no orphaned core or decode worker
+    assert not any(os.path.exists(d) for d in sockets)  # the core removed it on its way out: its starter could not
 
 
 def test_the_banner_states_the_kv_pool_and_the_engine_process(served: tuple[subprocess.Popen, str]) -> None:
@@ -426,6 +436,8 @@ def test_two_api_servers_share_the_port_and_the_core_and_metrics_sum_over_both(
         # Kill one API process: the core frees its requests, the other API process goes on serving.
         api = [c for c in spawned if any(k.laddr.port == port for k in c.net_connections(kind="tcp"))]
         assert len(api) == 2  # both API processes listen on the one socket; the core does not
+        sockets = socket_dirs(*spawned)
+        assert len(sockets) == 1  # the core's: its input and both API processes' output sockets
         api[0].kill()
         api[0].wait(10)
         with ThreadPoolExecutor(8) as pool:
@@ -447,6 +459,7 @@ def test_two_api_servers_share_the_port_and_the_core_and_metrics_sum_over_both(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 1  # an API server died under it: a supervisor should know
         assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in spawned)
+        assert not any(os.path.exists(d) for d in sockets)  # with the killed API process's socket in it
     finally:
         if proc.poll() is None:
             proc.kill()

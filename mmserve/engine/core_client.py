@@ -50,16 +50,23 @@ class CoreHandle:
 
     input_address: str
     pid: int
-    directory: str = ""  # the launcher's: removed when the core is gone
+    # The core's socket directory (private to this user): its input and every front end's output socket. The
+    # core removes it when it exits, and its launcher once the core is gone (whichever dies first, the
+    # directory goes with the last of them: a front end or launcher killed outright leaves nothing behind).
+    directory: str = ""
 
 
 def start_engine_core(args: EngineArgs) -> tuple[multiprocessing.process.BaseProcess, CoreHandle]:
     """Spawn an engine-core process; returns it and how to reach it (its `directory` is the caller's
-    to remove once the core is gone)."""
+    to remove once the core is gone; the core removes it too when it exits)."""
     directory = tempfile.mkdtemp(prefix="mmserve-core-")
     address = f"ipc://{directory}/input"
     process = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, args=(args, address), name="mmserve-engine-core", daemon=True
+        target=run_engine_core,
+        args=(args, address),
+        kwargs={"directory": directory},
+        name="mmserve-engine-core",
+        daemon=True,
     )
     process.start()
     assert process.pid is not None
@@ -79,19 +86,26 @@ class EngineCoreClient:
         core: CoreHandle | None = None,
     ) -> None:
         self.client_index = client_index
-        self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
         self._process: Any = None
         self._thread: threading.Thread | None = None
         self._sibling_pid = core.pid if core is not None else None  # a core we do not own
-        self._core_dir: str | None = None  # the temporary directory of a core process we started
+        # Our output socket goes in the core's socket directory (see CoreHandle), so that it goes when the core
+        # does even if this process is killed; `_dir` is a directory of our own, where the core has none.
+        self._dir: Path | None = None
+        self._core_dir: str | None = None  # the socket directory of a core process we started
         if core is None and engine_process:
             self._process, own = start_engine_core(args)
             input_address, self._core_dir = own.input_address, own.directory
+            sockets = own.directory
         elif core is None:
-            input_address = f"ipc://{self._dir}/input"
+            self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
+            input_address, sockets = f"ipc://{self._dir}/input", str(self._dir)
         else:
             input_address = core.input_address
-        output_address = f"ipc://{self._dir}/output-{client_index}-{uuid.uuid4().hex[:8]}"
+            if not core.directory:
+                self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
+            sockets = core.directory or str(self._dir)
+        output_address = f"ipc://{sockets}/output-{client_index}-{uuid.uuid4().hex[:8]}"
         self.context = zmq.Context()
         self._pull = self.context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -190,6 +204,7 @@ class EngineCoreClient:
         self._pull.close(linger=0)
         if self._thread is None or not self._thread.is_alive():
             self.context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
         if self._core_dir is not None:
             shutil.rmtree(self._core_dir, ignore_errors=True)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -249,9 +250,11 @@ def run_engine_core(
     context: zmq.Context | None = None,
     in_process: bool = False,
     ready: Any = None,
+    directory: str | None = None,
 ) -> None:
     """The core's entry point (a spawned process's target, or a thread's). Binds `input_address`,
-    builds the core (answering each `Hello` with `StartFailed` if that fails) and serves."""
+    builds the core (answering each `Hello` with `StartFailed` if that fails) and serves. `directory`: the
+    core's socket directory, removed when it exits (its starter may already be dead)."""
     if not in_process:
         # Ctrl-C or a SIGTERM to the server's process group (a terminal, systemd, `kill -- -pgid`) must not
         # end the core before the server has drained: it leaves the group, and stops on `Shutdown` or
@@ -287,6 +290,8 @@ def run_engine_core(
         socket.close(linger=0)
         if own_context:
             context.destroy(linger=1000)  # never blocks on a socket left open by an escape
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _refuse_hellos(context: zmq.Context, socket: zmq.Socket, message: str, wait_s: float = 5.0) -> None:
