@@ -11,7 +11,6 @@ import contextlib
 import multiprocessing
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -23,6 +22,7 @@ import zmq
 
 from mmserve.config import EngineArgs
 from mmserve.engine.core_proc import pid_alive, run_engine_core
+from mmserve.engine.ipc import socket_directory
 from mmserve.engine.messages import EngineInfo
 from mmserve.engine.serial import Decoder, Encoder
 from mmserve.engine.wire import (
@@ -59,7 +59,7 @@ class CoreHandle:
 def start_engine_core(args: EngineArgs) -> tuple[multiprocessing.process.BaseProcess, CoreHandle]:
     """Spawn an engine-core process; returns it and how to reach it (its `directory` is the caller's
     to remove once the core is gone; the core removes it too when it exits)."""
-    directory = tempfile.mkdtemp(prefix="mmserve-core-")
+    directory = socket_directory("mmserve-core-")
     address = f"ipc://{directory}/input"
     process = multiprocessing.get_context("spawn").Process(
         target=run_engine_core,
@@ -98,12 +98,12 @@ class EngineCoreClient:
             input_address, self._core_dir = own.input_address, own.directory
             sockets = own.directory
         elif core is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
+            self._dir = Path(socket_directory("mmserve-frontend-"))
             input_address, sockets = f"ipc://{self._dir}/input", str(self._dir)
         else:
             input_address = core.input_address
             if not core.directory:
-                self._dir = Path(tempfile.mkdtemp(prefix="mmserve-frontend-"))
+                self._dir = Path(socket_directory("mmserve-frontend-"))
             sockets = core.directory or str(self._dir)
         output_address = f"ipc://{sockets}/output-{client_index}-{uuid.uuid4().hex[:8]}"
         self.context = zmq.Context()

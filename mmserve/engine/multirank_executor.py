@@ -25,7 +25,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from mmserve.distributed.group import TensorParallelGroup
 from mmserve.engine.faults import EngineFatalError, StepFault
+from mmserve.engine.ipc import socket_directory
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.rank_plan import (
     InjectFaults,
@@ -125,7 +125,7 @@ class MultiRankExecutor:
         if device.type == "cpu":  # the cores are shared among the local ranks
             num_threads = max(1, (os.cpu_count() or 1) // self._num_local)
             torch.set_num_threads(num_threads)
-        self._dir = tempfile.mkdtemp(prefix="mmserve-tp-")
+        self._dir = socket_directory("mmserve-tp-")
         # Ranks still running when this object is collected or the interpreter exits are killed.
         self._finalizer = weakref.finalize(self, _kill, self._procs)
         try:
