@@ -235,6 +235,23 @@ def test_sigkill_of_the_engine_process_ends_every_stream_within_2s(model_dir: Pa
         engine.close()
 
 
+def test_an_engine_never_closed_leaves_no_core_and_no_socket_directory(model_dir: Path) -> None:
+    """A script that starts an engine and just ends: multiprocessing terminates the core, and the socket
+    directory goes with it (the core's own cleanup does not run on that SIGTERM; the front end's does, at exit)."""
+    code = (
+        "import sys, os, psutil; from mmserve.config import EngineArgs; from mmserve.engine.async_engine import AsyncEngine\n"
+        "engine = AsyncEngine(EngineArgs(sys.argv[1], max_model_len=2048, num_kv_blocks=64))\n"
+        "core = psutil.Process(engine.engine_process_pid)\n"
+        "print(core.pid, *{os.path.dirname(c.laddr) for c in core.net_connections(kind='unix') if c.laddr})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    pid, *directories = done.stdout.split()
+    assert directories and all(os.path.basename(d).startswith("mmserve-core-") for d in directories)
+    assert not any(os.path.exists(d) for d in directories)
+    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_drain_that_times_out_sends_every_stream_its_final_event(model_dir: Path, tmp_path: Path) -> None:
     engine = make_engine(model_dir)
     settings = ServerSettings(data_dir=tmp_path, served_model_name="tiny", shutdown_timeout_s=1.0)

@@ -14,6 +14,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,10 @@ class EngineCoreClient:
                 self._dir = Path(socket_directory("mmserve-frontend-"))
             sockets = core.directory or str(self._dir)
         output_address = f"ipc://{sockets}/output-{client_index}-{uuid.uuid4().hex[:8]}"
+        # Removed by close(), or at interpreter exit for a client never closed (a script that just ends): the core
+        # process is then terminated by multiprocessing without running its own cleanup.
+        owned = [str(d) for d in (self._dir, self._core_dir) if d is not None]
+        self._remove_directories = weakref.finalize(self, _remove_directories, owned)
         self.context = zmq.Context()
         self._pull = self.context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -204,7 +209,9 @@ class EngineCoreClient:
         self._pull.close(linger=0)
         if self._thread is None or not self._thread.is_alive():
             self.context.term()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-        if self._core_dir is not None:
-            shutil.rmtree(self._core_dir, ignore_errors=True)
+        self._remove_directories()
+
+
+def _remove_directories(directories: list[str]) -> None:
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
