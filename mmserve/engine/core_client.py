@@ -16,7 +16,6 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -91,25 +90,21 @@ class EngineCoreClient:
         self._thread: threading.Thread | None = None
         self._sibling_pid = core.pid if core is not None else None  # a core we do not own
         # Our output socket goes in the core's socket directory (see CoreHandle), so that it goes when the core
-        # does even if this process is killed; `_dir` is a directory of our own, where the core has none.
-        self._dir: Path | None = None
-        self._core_dir: str | None = None  # the socket directory of a core process we started
+        # does even if this process is killed; where the core has none, in a directory of our own. `owned`: the
+        # directories this client removes, at close() or at interpreter exit for a client never closed (a script
+        # that just ends: multiprocessing then terminates the core without running its own cleanup).
+        owned: list[str] = []
         if core is None and engine_process:
             self._process, own = start_engine_core(args)
-            input_address, self._core_dir = own.input_address, own.directory
-            sockets = own.directory
-        elif core is None:
-            self._dir = Path(socket_directory("mmserve-frontend-"))
-            input_address, sockets = f"ipc://{self._dir}/input", str(self._dir)
-        else:
-            input_address = core.input_address
-            if not core.directory:
-                self._dir = Path(socket_directory("mmserve-frontend-"))
-            sockets = core.directory or str(self._dir)
+            input_address, sockets = own.input_address, own.directory
+            owned.append(sockets)
+        elif core is not None and core.directory:
+            input_address, sockets = core.input_address, core.directory
+        else:  # a core on a thread, or a sibling core without a directory
+            sockets = socket_directory("mmserve-frontend-")
+            owned.append(sockets)
+            input_address = core.input_address if core is not None else f"ipc://{sockets}/input"
         output_address = f"ipc://{sockets}/output-{client_index}-{uuid.uuid4().hex[:8]}"
-        # Removed by close(), or at interpreter exit for a client never closed (a script that just ends): the core
-        # process is then terminated by multiprocessing without running its own cleanup.
-        owned = [str(d) for d in (self._dir, self._core_dir) if d is not None]
         self._remove_directories = weakref.finalize(self, _remove_directories, owned)
         self.context = zmq.Context()
         self._pull = self.context.socket(zmq.PULL)
