@@ -587,19 +587,21 @@ class ModelRunner:
         # One host tensor (and one copy to the device) for the five int64 inputs; each is a view of it, sliced
         # (one kind of op: after a forward has streamed the weights through the caches, each kind of torch op a
         # step uses costs its code's cache misses once, which outweighs the work of these few elements).
-        flat = input_ids + positions + slots + logits_indices + block_tables
-        host = torch.tensor(flat, dtype=torch.long).to(self.device)
+        host = torch.tensor(input_ids + positions + slots + logits_indices + block_tables, dtype=torch.long)
         a = len(input_ids)
         b = a + len(positions)
         c = b + len(slots)
         d = c + len(logits_indices)
-        ids_t, pos_t, slots_t, logits_t, tables_t = host[:a], host[a:b], host[b:c], host[c:d], host[d:]
-        pos = pos_t.expand(3, -1)  # [3, num_tokens]: text rows have equal t, h and w
-        if mrope_rows:
-            pos = pos.cpu().clone()
+        pos = None
+        if mrope_rows:  # [3, num_tokens]: a prompt's media rows have their own t, h and w (built on the host)
+            pos = host[a:b].expand(3, -1).clone()
             for r0, r1, prompt_positions, start in mrope_rows:
                 pos[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
             pos = pos.to(self.device)
+        host = host.to(self.device)
+        ids_t, pos_t, slots_t, logits_t, tables_t = host[:a], host[a:b], host[b:c], host[c:d], host[d:]
+        if pos is None:
+            pos = pos_t.expand(3, -1)  # [3, num_tokens]: text rows have equal t, h and w
         tables = tables_t.view(len(views), max_blocks)
         build_metadata = self.backend.step_metadata  # None: this backend's attention builds its own per layer
         return ForwardBatch(
