@@ -1,6 +1,10 @@
-"""The issue's engine overhead at one stream: of each decode-only step (its `StepRecord` duration), the share not spent
-in the model's forward and logits (`Decoder.forward` + `Decoder.compute_logits`, timed around each call). One
-in-process LLM over the bench checkpoint, greedy 256-token replies to 30-token prompts, one line per round.
+"""The issue's engine overhead at one stream: of each decode step, the share not spent in the model's forward and
+logits (`Decoder.forward` + `Decoder.compute_logits`, timed around each call). Two measures of a step:
+  - `step`: its `StepRecord` duration (schedule, inputs, forward, sampling, the scheduler's update);
+  - `interval`: from one forward's start to the next one's: everything the engine loop does per token, the
+    step-time model's refit, stats and output processing (detokenizing, stop checks) included.
+One in-process LLM over the bench checkpoint (`$MODEL` overrides), greedy 256-token replies to 30-token prompts,
+one line per round.
 
   python scripts/engine_overhead.py float32 [rounds]      # or bfloat16
 """
@@ -21,12 +25,14 @@ def main() -> None:
     dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     model_s: list[float] = []  # per step: forward + logits seconds
+    starts: list[float] = []  # per step: when its forward began
 
     def timed(method: Callable[..., Any], new_step: bool) -> Callable[..., Any]:
         def wrapper(self: decoder.Decoder, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             result = method(self, *args, **kwargs)
             if new_step:
+                starts.append(start)
                 model_s.append(0.0)
             model_s[-1] += time.perf_counter() - start
             return result
@@ -35,20 +41,28 @@ def main() -> None:
 
     decoder.Decoder.forward = timed(decoder.Decoder.forward, True)  # type: ignore[method-assign]
     decoder.Decoder.compute_logits = timed(decoder.Decoder.compute_logits, False)  # type: ignore[method-assign]
-    llm = LLM(os.path.expanduser("~/.cache/mmserve/bench-qwen2"), dtype=dtype)
+    llm = LLM(os.environ.get("MODEL", os.path.expanduser("~/.cache/mmserve/bench-qwen2")), dtype=dtype)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     llm.generate(["the 1 " * 30], params)  # warm-up
     for round_ in range(rounds):
         llm.step_records.clear()
         model_s.clear()
+        starts.clear()
         llm.generate([f"the {round_ + 2} " * 30], params)
-        steps = zip(llm.step_records, model_s, strict=True)  # one forward per step
+        steps = list(zip(llm.step_records, model_s, strict=True))  # one forward per step
         decodes = [(r.duration_s, m) for r, m in steps if r.num_prefill_tokens == 0]
         step = sum(d for d, _ in decodes) / len(decodes)
         model = sum(m for _, m in decodes) / len(decodes)
-        print(f"{dtype}: {len(decodes)} decode steps, step {step * 1e3:.2f} ms, forward + logits {model * 1e3:.2f} ms, "
-              f"engine {(step - model) * 1e3:.2f} ms = {(step - model) / step:.1%} of the step")  # fmt: skip
-
+        # intervals that start at a decode's forward (the last one has no next forward)
+        intervals = [
+            (b - a, m) for (r, m), a, b in zip(steps, starts, starts[1:], strict=False) if r.num_prefill_tokens == 0
+        ]
+        interval = sum(i for i, _ in intervals) / len(intervals)
+        interval_model = sum(m for _, m in intervals) / len(intervals)
+        print(f"{dtype}: {len(decodes)} decode steps, forward + logits {model * 1e3:.2f} ms; "
+              f"step {step * 1e3:.2f} ms, engine {(step - model) * 1e3:.2f} ms = {(step - model) / step:.1%}; "
+              f"interval {interval * 1e3:.2f} ms, engine {(interval - interval_model) * 1e3:.2f} ms = "
+              f"{(interval - interval_model) / interval:.1%}")  # fmt: skip
 
 if __name__ == "__main__":
     main()

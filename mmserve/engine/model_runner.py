@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import PretrainedConfig
@@ -34,6 +35,7 @@ from mmserve.engine.encoder_split import EncoderRun, encoder_runs, split_encoder
 from mmserve.engine.faults import EncoderFailed, FaultInjector, InjectedFault, StepFault
 from mmserve.engine.huge_pages import move_to_huge_pages
 from mmserve.engine.sampler import GrammarBitmask, Sampler, SamplingMetadataCache
+from mmserve.engine.step_inputs import StepInputBuffer
 from mmserve.kernels import cpu_decoder
 from mmserve.kernels.cpu_linear import choose_paths
 from mmserve.kernels.dispatch import (
@@ -43,6 +45,7 @@ from mmserve.kernels.dispatch import (
     get_w4a16_backend,
 )
 from mmserve.kernels.launch_plan import LaunchPlan
+from mmserve.kernels.reference import decode_row_values, decode_seqs
 from mmserve.models.config import DecoderConfig
 from mmserve.models.decoder import DeepStackInput, rotary_embedding
 from mmserve.models.forward_batch import ForwardBatch
@@ -127,6 +130,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataCache()  # one build per change of the sampled rows
         self.requests = RequestStates()  # what the plans so far have sent of each running request
+        self.step_inputs = StepInputBuffer(torch.device(device), step_input_views)  # `_prepare` writes into it
         has_vision = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
         if mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got {mm_encoder_tp_mode!r}")
@@ -584,33 +588,54 @@ class ModelRunner:
             block_ids = v.state.block_ids
             block_tables += block_ids
             block_tables += [0] * (max_blocks - len(block_ids))
-        # One host tensor (and one copy to the device) for the five int64 inputs; each is a view of it, sliced
-        # (one kind of op: after a forward has streamed the weights through the caches, each kind of torch op a
-        # step uses costs its code's cache misses once, which outweighs the work of these few elements).
-        host = torch.tensor(input_ids + positions + slots + logits_indices + block_tables, dtype=torch.long)
-        a = len(input_ids)
-        b = a + len(positions)
-        c = b + len(slots)
-        d = c + len(logits_indices)
-        pos = None
-        if mrope_rows:  # [3, num_tokens]: a prompt's media rows have their own t, h and w (built on the host)
-            pos = host[a:b].expand(3, -1).clone()
-            for r0, r1, prompt_positions, start in mrope_rows:
-                pos[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
-            pos = pos.to(self.device)
-        host = host.to(self.device)
-        ids_t, pos_t, slots_t, logits_t, tables_t = host[:a], host[a:b], host[b:c], host[c:d], host[d:]
-        if pos is None:
-            pos = pos_t.expand(3, -1)  # [3, num_tokens]: text rows have equal t, h and w
-        tables = tables_t.view(len(views), max_blocks)
         build_metadata = self.backend.step_metadata  # None: this backend's attention builds its own per layer
+        seqs = decode_seqs(query_start_loc) if build_metadata is not None else []
+        # One write of the int64 inputs into the runner's persistent buffers (`engine/step_inputs.py`): the five
+        # device inputs, then the decodes' lengths and rows (host only). A layout seen before reuses its views.
+        layout = (len(input_ids), len(logits_indices), len(views), max_blocks, len(seqs))
+        values = input_ids + positions + slots + logits_indices + block_tables
+        num_device = len(values)
+        if build_metadata is not None:
+            values += decode_row_values(seqs, query_start_loc, seq_lens)
+        inputs = self.step_inputs.write(values, num_device, layout)
+        pos = inputs.positions
+        if mrope_rows:  # [3, num_tokens]: a prompt's media rows have their own t, h and w (built on the host)
+            host_positions = torch.tensor(positions, dtype=torch.long).expand(3, -1).clone()
+            for r0, r1, prompt_positions, start in mrope_rows:
+                host_positions[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
+            pos = host_positions.to(self.device)
+        metadata = None
+        if build_metadata is not None:
+            metadata = build_metadata(inputs.block_tables, seqs, inputs.decode_seq_lens, inputs.decode_rows)
         return ForwardBatch(
-            input_ids=ids_t,
+            input_ids=inputs.input_ids,
             positions=pos,
-            slot_mapping=slots_t,
-            block_tables=tables,
-            logits_indices=logits_t,
+            slot_mapping=inputs.slot_mapping,
+            block_tables=inputs.block_tables,
+            logits_indices=inputs.logits_indices,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            attention_metadata=None if build_metadata is None else build_metadata(tables, query_start_loc, seq_lens),
+            attention_metadata=metadata,
         )
+
+
+class _StepInputViews(NamedTuple):
+    """The tensors of one layout of `_prepare`'s inputs: views of the runner's `StepInputBuffer`."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [3, num_tokens]: the 1-D positions expanded (text rows have equal t, h and w)
+    slot_mapping: torch.Tensor  # [num_tokens]
+    logits_indices: torch.Tensor  # [num_sampled]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    decode_seq_lens: torch.Tensor  # [num_decodes] on the host (empty when the backend builds no metadata)
+    decode_rows: torch.Tensor  # [num_decodes] on the host
+
+
+def step_input_views(layout: tuple[int, int, int, int, int], device: torch.Tensor, host: torch.Tensor) -> _StepInputViews:
+    """`layout`: (num_tokens, num_sampled, num_seqs, max_blocks, num_decodes), as `_prepare` writes them."""
+    num_tokens, num_sampled, num_seqs, max_blocks, num_decodes = layout
+    ids, positions, slots, logits, tables = device.split([num_tokens] * 3 + [num_sampled, num_seqs * max_blocks])
+    lens, rows = host.split([num_decodes, num_decodes])
+    return _StepInputViews(
+        ids, positions.expand(3, -1), slots, logits, tables.view(num_seqs, max_blocks), lens, rows
+    )

@@ -26,9 +26,10 @@ class AttentionBackend:
     name: str
     store_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
-    # (block_tables, query_start_loc, seq_lens) -> the step's attention metadata (ForwardBatch's), built once per
-    # step by the runner: reference.decode_rows for torch and cpu; None for triton, whose per-step plan is cached
-    # on the host lists in the first layer's call
+    # (block_tables, decode seqs, their seq_lens, their rows) -> the step's attention metadata (ForwardBatch's),
+    # built once per step by the runner from reference.decode_row_values it wrote to the host:
+    # reference.decode_rows_of for torch and cpu; None for triton, whose per-step plan is cached on the host lists
+    # in the first layer's call
     step_metadata: Callable[..., reference.DecodeRows] | None = None
     # (query_start_loc, seq_lens, num_heads, num_kv_heads, max_seq_len) -> the metadata of a pure-decode batch
     # over static device buffers, which a captured graph replays (`engine/decode_graphs.py`); None: this
@@ -73,8 +74,8 @@ def get_attention_backend(device: torch.device) -> AttentionBackend:
             raise ValueError(
                 "MMSERVE_ATTENTION_BACKEND=cpu, but the C kernel could not be built (see the log)"
             )
-        return AttentionBackend("cpu", cpu_fused.store_kv_cache, cpu_attention.paged_attention, reference.decode_rows)
-    return AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention, reference.decode_rows)
+        return AttentionBackend("cpu", cpu_fused.store_kv_cache, cpu_attention.paged_attention, reference.decode_rows_of)
+    return AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention, reference.decode_rows_of)
 
 
 def default_backend(device: torch.device) -> str:

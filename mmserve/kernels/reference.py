@@ -97,11 +97,22 @@ def decode_rows(block_tables: torch.Tensor, query_start_loc: list[int], seq_lens
     """The decodes of a batch whose sequence i owns query rows [query_start_loc[i], query_start_loc[i + 1])
     and block_tables[i] ([num_seqs, max_blocks] int64)."""
     seqs = decode_seqs(query_start_loc)
-    tables = block_tables if len(seqs) == len(seq_lens) else block_tables[seqs]
+    host = torch.tensor(decode_row_values(seqs, query_start_loc, seq_lens), dtype=torch.int64)
+    return decode_rows_of(block_tables, seqs, host[: len(seqs)], host[len(seqs) :])
+
+
+def decode_row_values(seqs: list[int], query_start_loc: list[int], seq_lens: list[int]) -> list[int]:
+    """The values of `DecodeRows`' two host tensors, in order: the decodes' context lengths, then their rows."""
+    return [seq_lens[i] for i in seqs] + [query_start_loc[i] for i in seqs]
+
+
+def decode_rows_of(block_tables: torch.Tensor, seqs: list[int], seq_lens: torch.Tensor, rows: torch.Tensor) -> DecodeRows:
+    """`DecodeRows` from the decodes' indices `seqs` and host tensors of `decode_row_values` (a caller that keeps
+    its step inputs in persistent buffers writes them there); block_tables: the whole batch's."""
+    tables = block_tables if len(seqs) == block_tables.shape[0] else block_tables[seqs]
     if tables.dtype != torch.int64 or not tables.is_contiguous():  # the runner's are already both
         tables = tables.to(torch.int64).contiguous()
-    host = torch.tensor([seq_lens[i] for i in seqs] + [query_start_loc[i] for i in seqs], dtype=torch.int64)
-    return DecodeRows(seqs=seqs, block_tables=tables, seq_lens=host[: len(seqs)], rows=host[len(seqs) :])
+    return DecodeRows(seqs=seqs, block_tables=tables, seq_lens=seq_lens, rows=rows)
 
 
 def prefill_attention(
