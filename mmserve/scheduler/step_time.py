@@ -102,7 +102,11 @@ class StepTimeModel:
     Every step enters the sums; the solve runs after each of the first `_WARMUP_STEPS` steps, after any
     step it mispredicted by more than `_SURPRISE`, and otherwise every `_REFIT_EVERY` steps. Between two
     solves the sums move by a few forgetting factors, so the fit they would give differs little from the
-    one in use, and the solve is most of the cost of an observe that runs every step.
+    one in use, and the solve is most of the cost of an observe that runs every step. Likewise a step's row
+    waits in `_unfolded` and enters the sums just before the next solve, in the order observed: the same sums,
+    bit for bit, with the folding loop run warm over several rows (at one stream, a step's bookkeeping runs
+    right after a forward has flushed the caches, so each piece of code run once a step costs several times
+    its warm cost).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class StepTimeModel:
         k = len(FEATURES)
         self._gram = [[0.0] * k for _ in range(k)]  # [k, k] sum of w * a a^T over observed rows a = x / t
         self._rhs = [0.0] * k  # [k] sum of w * a (each row's target is 1: relative error)
+        self._unfolded: list[tuple[tuple[float, ...], float, float]] = []  # (x, measured_s, w) not yet in the sums
         self._log_scale = 0.0  # mean log(measured / prior prediction): the data's scale against the prior
         self._num_scaled = 0
         self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
@@ -226,14 +231,9 @@ class StepTimeModel:
             self._num_scaled += 1
             alpha = max(1.0 / self._num_scaled, 1.0 - self.forgetting)
             self._log_scale = (1.0 - alpha) * self._log_scale + alpha * log_ratio
-        a = [v / measured_s for v in x]
         over = predicted / measured_s - 1.0  # the current model's relative error on this step
         weight = 1.0 if abs(over) <= _HUBER else _HUBER / abs(over)
-        lam = self.forgetting
-        self._rhs = [lam * r + weight * ai for r, ai in zip(self._rhs, a, strict=True)]
-        for row, ai in zip(self._gram, a, strict=True):
-            wa = weight * ai
-            row[:] = [lam * g + wa * aj for g, aj in zip(row, a, strict=True)]
+        self._unfolded.append((x, measured_s, weight))
         self._steps_since_refit += 1
         if (
             self.num_observed <= _WARMUP_STEPS
@@ -243,7 +243,19 @@ class StepTimeModel:
             self._steps_since_refit = 0
             self._refit()
 
+    def _fold(self) -> None:
+        """Adds the rows observed since the last solve to the sums, oldest first, forgetting as it goes."""
+        lam = self.forgetting
+        for x, measured_s, weight in self._unfolded:
+            a = [v / measured_s for v in x]
+            self._rhs = [lam * r + weight * ai for r, ai in zip(self._rhs, a, strict=True)]
+            for row, ai in zip(self._gram, a, strict=True):
+                wa = weight * ai
+                row[:] = [lam * g + wa * aj for g, aj in zip(row, a, strict=True)]
+        self._unfolded.clear()
+
     def _refit(self) -> None:
+        self._fold()
         k = len(FEATURES)
         scale = math.exp(self._log_scale)  # the prior's rows price steps at scale x the prior
         g, r = 1.0 / (scale * scale), 1.0 / scale
