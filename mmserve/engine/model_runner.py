@@ -619,7 +619,7 @@ class ModelRunner:
         )
 
 
-class _StepInputViews(NamedTuple):
+class StepInputViews(NamedTuple):
     """The tensors of one layout of `_prepare`'s inputs: views of the runner's `StepInputBuffer`."""
 
     input_ids: torch.Tensor  # [num_tokens]
@@ -631,11 +631,11 @@ class _StepInputViews(NamedTuple):
     decode_rows: torch.Tensor  # [num_decodes] on the host
 
 
-def step_input_views(layout: tuple[int, int, int, int, int], device: torch.Tensor, host: torch.Tensor) -> _StepInputViews:
+def step_input_views(layout: tuple[int, int, int, int, int], device: torch.Tensor, host: torch.Tensor) -> StepInputViews:
     """`layout`: (num_tokens, num_sampled, num_seqs, max_blocks, num_decodes), as `_prepare` writes them."""
     num_tokens, num_sampled, num_seqs, max_blocks, num_decodes = layout
     ids, positions, slots, logits, tables = device.split([num_tokens] * 3 + [num_sampled, num_seqs * max_blocks])
     lens, rows = host.split([num_decodes, num_decodes])
-    return _StepInputViews(
+    return StepInputViews(
         ids, positions.expand(3, -1), slots, logits, tables.view(num_seqs, max_blocks), lens, rows
     )
