@@ -595,8 +595,7 @@ class ModelRunner:
         layout = (len(input_ids), len(logits_indices), len(views), max_blocks, len(seqs))
         values = input_ids + positions + slots + logits_indices + block_tables
         num_device = len(values)
-        if build_metadata is not None:
-            values += decode_row_values(seqs, query_start_loc, seq_lens)
+        values += decode_row_values(seqs, query_start_loc, seq_lens)  # none without metadata (no seqs)
         inputs = self.step_inputs.write(values, num_device, layout)
         pos = inputs.positions
         if mrope_rows:  # [3, num_tokens]: a prompt's media rows have their own t, h and w (built on the host)
@@ -604,9 +603,11 @@ class ModelRunner:
             for r0, r1, prompt_positions, start in mrope_rows:
                 host_positions[:, r0:r1] = prompt_positions[:, start : start + r1 - r0]
             pos = host_positions.to(self.device)
-        metadata = None
-        if build_metadata is not None:
-            metadata = build_metadata(inputs.block_tables, seqs, inputs.decode_seq_lens, inputs.decode_rows)
+        metadata = (
+            None
+            if build_metadata is None
+            else build_metadata(inputs.block_tables, seqs, inputs.decode_seq_lens, inputs.decode_rows)
+        )
         return ForwardBatch(
             input_ids=inputs.input_ids,
             positions=pos,
