@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
@@ -145,7 +146,7 @@ def test_window_stays_small(tokenizer: PreTrainedTokenizerFast, monkeypatch: pyt
 
     monkeypatch.setattr(type(tokenizer), "backend_tokenizer", property(lambda self: Spy()))
     ids = tokenizer.encode("Hello world, café crème 你好 🎉 über 世界 🚀. " * 20)
-    det = IncrementalDetokenizer(tokenizer, ids[:50])
+    det = IncrementalDetokenizer(tokenizer, ids[:50], decode_stream=False)  # the Spy is no Rust tokenizer
     for i in ids:
         det.update([i])
     assert longest <= 12
@@ -235,3 +236,56 @@ def test_stop_strings_wait_for_min_tokens(tokenizer: PreTrainedTokenizerFast) ->
     assert text == "STOP abc " and det.stop_reason == "STOP"  # the first one is text, the second stops
     plain = IncrementalDetokenizer(tokenizer, [], stop=["STOP"])
     assert "".join(plain.update([i]) for i in ids) == "" and plain.stop_reason == "STOP"
+
+
+def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A sentencepiece-style tokenizer: "▁" for spaces, the leading one stripped on decode."""
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *_SPECIALS], show_progress=False)
+    bpe.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_stream_deltas_equal_the_python_window(
+    tokenizer: PreTrainedTokenizerFast, kind: str, skip_special_tokens: bool
+) -> None:
+    """The Rust stream and the Python window give the same delta at every update, stops included."""
+    tok = tokenizer if kind == "byte_level" else _metaspace_tokenizer()
+    rng = random.Random(7 + skip_special_tokens)
+    for _ in range(300):
+        prompt = _random_ids(tok, rng) if rng.random() < 0.7 else []
+        output = _random_ids(tok, rng)
+        stop = [rng.choice(["x", "ab", "你好", "é,", "o w"])] if rng.random() < 0.3 else []
+        chunk_seed = rng.random()
+        runs = []
+        for decode_stream in (True, False):
+            det = IncrementalDetokenizer(
+                tok, prompt, stop=stop, skip_special_tokens=skip_special_tokens, decode_stream=decode_stream
+            )
+            runs.append((_stream(det, output, random.Random(chunk_seed)), det.output_text, det.stop_reason))
+        assert runs[0] == runs[1], (prompt, output, stop)
+
+
+def test_decode_stream_invalid_prefix_falls_back_to_the_python_window() -> None:
+    """A decoder rule over the whole string ("ab" -> "X") makes a window's text stop extending its
+    first tokens' text: the Rust stream raises, and the detokenizer carries on in Python."""
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "c": 3, " ": 4}
+    rust = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    rust.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False)
+    ids = [3, 1, 2, 4, 1, 3, 1, 2, 2, 1]  # "c", "a", "b", " ", "a", "c", ...
+
+    raw = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix encountered"):
+        for i in ids:
+            raw.step(rust, i)
+
+    streamed = IncrementalDetokenizer(tok, [])
+    window = IncrementalDetokenizer(tok, [], decode_stream=False)
+    assert [streamed.update([i]) for i in ids] == [window.update([i]) for i in ids]
+    assert streamed.flush() == window.flush()
+    assert streamed.output_text == window.output_text

@@ -10,12 +10,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: detokenizing needs no torch / transformers import
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
     from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens decoded in front of the first output tokens so that they get the leading-space
 # handling they have in context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _PROMPT_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"  # what a decoder renders for bytes of a character that has not finished
+# What `DecodeStream.step` raises (untyped) when a window's text does not begin with the text of its
+# first tokens, which some decoders' whole-string rules (clean-up, replacements) can cause.
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 _skipped_ids_cache: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, frozenset[int]] = (
     weakref.WeakKeyDictionary()
@@ -33,6 +38,14 @@ def _skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
         ids = frozenset(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
         _skipped_ids_cache[tokenizer] = ids
     return ids
+
+
+def _rust_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The `tokenizers.Tokenizer` behind a fast tokenizer, or None (a slow one)."""
+    from tokenizers import Tokenizer
+
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    return backend if isinstance(backend, Tokenizer) else None
 
 
 def _window_decoder(
@@ -58,6 +71,12 @@ class IncrementalDetokenizer:
     with the spacing it has in context. The window moves on as soon as its text no longer ends
     in an unfinished character, so it stays a few tokens long and each update costs O(window).
 
+    With a fast tokenizer each token is one call into `tokenizers`' `DecodeStream`, which runs
+    the same window in Rust (the text of the window's first tokens is kept rather than decoded
+    again). The window's ids are mirrored here, so `flush` and a fallback to the Python window
+    (when the stream meets a window whose text does not extend its prefix) continue from the
+    same state; the deltas are the same either way.
+
     Stop strings act on the decoded text: the longest tail that could still begin a stop string
     is held back until it either completes one (the output stops) or can no longer.
     """
@@ -74,8 +93,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        decode_stream: bool = True,
     ) -> None:
-        """`min_tokens`: stop strings end the output only once this many tokens exist (vLLM's rule)."""
+        """`min_tokens`: stop strings end the output only once this many tokens exist (vLLM's rule).
+
+        `decode_stream=False` decodes with the Python window only: the reference the stream is
+        tested against.
+        """
         self._decode = _window_decoder(tokenizer, skip_special_tokens)
         self._skipped = _skipped_ids(tokenizer) if skip_special_tokens else frozenset()
         self._stop = tuple(s for s in stop if s)
@@ -99,6 +123,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)  # ids[:read_offset] are in the emitted text
         self._held = ""  # decoded text not emitted yet because it may begin a stop string
         self._finished = False
+        self._rust = _rust_tokenizer(tokenizer) if decode_stream else None
+        self._stream: DecodeStream | None = None
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Adds output tokens; returns the text they finalized (often "", never a partial character)."""
@@ -125,6 +155,19 @@ class IncrementalDetokenizer:
         if token_id in self._skipped:
             return ""
         self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._rust, token_id)
+            except Exception as error:  # tokenizers raises it untyped
+                if not str(error).startswith(_INVALID_PREFIX):
+                    raise
+                self._stream = None  # this window and the rest of the output: the Python window
+            else:
+                if text is None:
+                    return ""
+                self._ids = self._ids[self._read_offset :]
+                self._read_offset = len(self._ids)
+                return text
         prefix = self._decode(self._ids[: self._read_offset])
         text = self._decode(self._ids)
         # No growth: e.g. a sentencepiece "▁" whose space shows only once a word follows it.
