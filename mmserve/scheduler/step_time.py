@@ -5,6 +5,7 @@ seconds, never the device or the model. Pure Python: the scheduler runs it every
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import deque
@@ -141,6 +142,7 @@ class StepTimeModel:
         self._log_scale = 0.0  # mean log(measured / prior prediction): the data's scale against the prior
         self._num_scaled = 0
         self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, latest steps
+        self._ranked_ratios: list[float] = []  # the same values, sorted: kept by bisection, not sorted per step
         self._steps_since_refit = 0
         self._error_factor = 1.0  # see error_factor
         self._predicted_s = self._observed_s = self._abs_error_s = 0.0
@@ -195,8 +197,12 @@ class StepTimeModel:
         Kept up to date by `observe`: the planners read it several times a step."""
         return self._error_factor
 
-    def _update_error_factor(self) -> None:
-        ranked = sorted(self._ratios)
+    def _add_ratio(self, ratio: float) -> None:
+        ranked = self._ranked_ratios
+        if len(self._ratios) == self._ratios.maxlen:
+            del ranked[bisect.bisect_left(ranked, self._ratios[0])]  # the one the append pushes out
+        self._ratios.append(ratio)
+        bisect.insort(ranked, ratio)
         q = ranked[max(0, math.ceil(self.error_quantile * len(ranked)) - 1)]
         self._error_factor = min(max(q, 1.0), MAX_ERROR_FACTOR)
 
@@ -218,8 +224,7 @@ class StepTimeModel:
         self._observed_s += measured_s
         self._abs_error_s += abs(measured_s - predicted)
         if predicted > 0.0:
-            self._ratios.append(measured_s / predicted)
-            self._update_error_factor()
+            self._add_ratio(measured_s / predicted)
         prior = _dot(self._prior_vector, x)
         if prior > 0.0:
             # A running mean at first, then an exponential one; after the first step one step moves it by
