@@ -28,6 +28,7 @@ from mmserve.api.settings import MiB, ServerSettings
 from mmserve.encoders.decode_pool import DecodePool
 from mmserve.encoders.media import DEFAULT_LIMITS
 from mmserve.engine.async_engine import AsyncEngine
+from mmserve.gc_heap import startup_heap_frozen
 
 
 @dataclass(eq=False)
@@ -123,7 +124,8 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(decoder.start)  # workers ready before the first request
         try:
-            yield
+            with startup_heap_frozen("api server"):  # a full collection mid-stream scans only what serving made
+                yield
         finally:
             if metrics in engine.stat_loggers:
                 engine.stat_loggers.remove(metrics)

@@ -41,6 +41,7 @@ from mmserve.engine.wire import (
     request_from_wire,
 )
 from mmserve.errors import InvalidRequestError, MMServeError
+from mmserve.gc_heap import startup_heap_frozen
 from mmserve.request import RequestStatus
 from mmserve.scheduler.slo import SloInfeasibleError
 
@@ -281,7 +282,8 @@ def run_engine_core(
         server = CoreServer(core, context, socket)
         parent = multiprocessing.parent_process()
         try:
-            server.serve(parent.sentinel if parent is not None and not in_process else None)
+            with startup_heap_frozen("engine core"):
+                server.serve(parent.sentinel if parent is not None and not in_process else None)
         finally:
             for client in server.clients.values():
                 client.socket.close(linger=1000)

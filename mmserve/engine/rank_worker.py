@@ -41,6 +41,7 @@ from mmserve.engine.rank_plan import (
     StopRank,
 )
 from mmserve.engine.serial import Encoder
+from mmserve.gc_heap import startup_heap_frozen
 from mmserve.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -150,7 +151,8 @@ def run_rank(spec: RankSpec) -> int:
         encoder = Encoder()
         fingerprint = checkpoint_fingerprint(runner_spec.model_dir)
         reply.send_multipart(encoder.encode(RankReady(spec.rank, os.getpid(), fingerprint)))
-        _serve(runner, plans, monitor, reply, encoder, spec)
+        with startup_heap_frozen(f"rank {spec.rank}"):
+            _serve(runner, plans, monitor, reply, encoder, spec)
         return 0
     except BaseException as exc:  # anything: the first rank must hear why, then this rank ends
         logger.exception("rank %d failed", spec.rank)
