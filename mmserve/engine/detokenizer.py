@@ -144,8 +144,7 @@ class IncrementalDetokenizer:
             return ""
         prefix = self._decode(self._ids[: self._read_offset])
         rest = self._decode(self._ids)[len(prefix) :]
-        self._ids = self._ids[self._read_offset :]
-        self._read_offset = len(self._ids)
+        self._advance_window()
         delta = self._emit(rest, final=True)
         self._finished = True
         return delta
@@ -165,18 +164,20 @@ class IncrementalDetokenizer:
             else:
                 if text is None:
                     return ""
-                self._ids = self._ids[self._read_offset :]
-                self._read_offset = len(self._ids)
+                self._advance_window()
                 return text
         prefix = self._decode(self._ids[: self._read_offset])
         text = self._decode(self._ids)
         # No growth: e.g. a sentencepiece "▁" whose space shows only once a word follows it.
         if len(text) <= len(prefix) or text.endswith(_INCOMPLETE):
             return ""
-        # The tokens just emitted (from read_offset on) are the next window's context.
+        self._advance_window()
+        return text[len(prefix) :]
+
+    def _advance_window(self) -> None:
+        """The window's text is emitted: the tokens from read_offset on become the next window's context."""
         self._ids = self._ids[self._read_offset :]
         self._read_offset = len(self._ids)
-        return text[len(prefix) :]
 
     def _emit(self, decoded: str, *, final: bool) -> str:
         """Runs stop-string matching over held + decoded text; returns the text now safe to emit."""
