@@ -18,7 +18,7 @@ import pydantic
 import pytest
 
 from mmserve.api import ServerSettings, convert, create_app
-from mmserve.api.protocol import ChatCompletionRequest
+from mmserve.api.protocol import ChatCompletionChunk, ChatCompletionRequest
 from mmserve.api.server import ServerThread
 from mmserve.config import EngineArgs
 from mmserve.engine.async_engine import AsyncEngine
@@ -148,6 +148,61 @@ def test_n_choices_json_and_stream_prefill_once(oai: openai.OpenAI, engine: Asyn
         usage.prompt_tokens
         == oai.chat.completions.create(model="tiny", messages=HELLO, max_tokens=1).usage.prompt_tokens
     )
+
+
+def _rendered_by_the_models(event: str) -> str:
+    """The event a streamed chat chunk is, rendered again through the protocol models as the route's
+    reference path renders it (exclude_none, then null logprobs and finish_reason on every choice)."""
+    data = json.loads(event)
+    usage = data.pop("usage", "absent")
+    again = ChatCompletionChunk.model_validate(data).model_dump(exclude_none=True)
+    if usage != "absent":
+        again["usage"] = usage
+    for choice in again["choices"]:
+        choice.setdefault("logprobs", None)
+        choice.setdefault("finish_reason", None)
+    return json.dumps(again, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("stream_options", [None, {"include_usage": True}, {"include_usage": True,
+                         "continuous_usage_stats": True}])  # fmt: skip
+def test_streamed_chat_events_are_what_the_models_render(http: httpx.Client, stream_options: dict | None) -> None:
+    # Content deltas are rendered from a per-choice template (serving.text_event), the other events through
+    # the models: every event must be byte for byte what the models give, whatever the text holds.
+    body = greedy(messages=[{"role": "user", "content": 'quote " backslash \\ tab \t é 😀 \u2028'}],
+                  max_tokens=24, n=2, temperature=1.0, seed=3, ignore_eos=True, stream=True,
+                  service_tier="default")  # fmt: skip
+    if stream_options is not None:
+        body["stream_options"] = stream_options
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(line[len("data: ") :])
+    content = [json.loads(e) for e in events if any(c["delta"].get("content") for c in json.loads(e)["choices"])]
+    assert len(content) >= 4 and {c["choices"][0]["index"] for c in content} == {0, 1}
+    for event in events:
+        assert event == _rendered_by_the_models(event)
+    assert all(json.loads(e)["service_tier"] == "default" for e in events)
+    if stream_options is not None:
+        assert all("usage" in json.loads(e) for e in events)
+
+
+def test_text_event_template_equals_its_render() -> None:
+    from mmserve.api import serving
+
+    def render(text: str) -> str:
+        return serving.sse({"id": "chatcmpl-1", "model": "m\u00e9", "choices": [{"index": 3, "delta": {"content": text}}],
+                            "usage": None})  # fmt: skip
+
+    event = serving.text_event(render)
+    texts = ["a", " hello", '"', "\\", "\n\t\r", "\x00\x1f", "é", "😀", "\u2028\u2029", "</script>", "\ud800"]
+    for text in [*texts, "".join(texts)]:
+        assert event(text) == render(text)
+    # A render that shows its text twice (or not at all) cannot be a template: it is used as it is.
+    assert serving.text_event(lambda t: json.dumps(t) * 2)("x") == '"x""x"'
+    assert serving.text_event(lambda t: "fixed")("x") == "fixed"
 
 
 def test_cached_tokens_on_a_repeated_long_prompt(oai: openai.OpenAI) -> None:

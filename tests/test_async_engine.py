@@ -129,3 +129,24 @@ def test_shutdown_drains_then_refuses(model_dir: Path) -> None:
 
     asyncio.run(main())
     assert not engine.is_running
+
+
+def test_an_output_snapshot_copies_every_field_and_owns_its_lists() -> None:
+    import dataclasses
+
+    from mmserve.engine.async_engine import _snapshot
+    from mmserve.engine.output_processor import RequestMetrics, RequestOutput
+
+    for logprobs in (None, [{5: -0.1}]):
+        out = RequestOutput("r", "p", [1, 2], token_ids=[5, 6], text="ab", logprobs=logprobs and list(logprobs),
+                            metrics=RequestMetrics(1.0), new_text="b", new_token_ids=[6], index=2)  # fmt: skip
+        copy = _snapshot(out)
+        assert type(copy) is RequestOutput and dataclasses.asdict(copy) == dataclasses.asdict(out)
+        out.token_ids.append(7)
+        out.new_token_ids.append(7)
+        if out.logprobs is not None:
+            out.logprobs.append({7: -0.2})
+        out.text = "abc"
+        # What the output thread updates next does not reach the consumer's copy.
+        assert copy.token_ids == [5, 6] and copy.new_token_ids == [6] and copy.text == "ab"
+        assert copy.logprobs == logprobs and (logprobs is None or copy.logprobs is not out.logprobs)

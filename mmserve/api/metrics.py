@@ -248,6 +248,9 @@ class MetricsExporter:
         if info is not None:
             self._scrape.register(_EngineInfoCollector(info, model))
         self._last_token_time: dict[str, float] = {}  # request id -> time of its previous update
+        # The two series every token updates, resolved once (`labels()` looks its child up under a lock).
+        self._generation_tokens = self.generation_tokens.labels(model)
+        self._itl = self.itl.labels(model)
         self._lock = threading.Lock()
 
     # -- StatLogger ------------------------------------------------------------------------------------
@@ -256,9 +259,9 @@ class MetricsExporter:
         with self._lock:
             previous = self._last_token_time.get(output.request_id)
             if output.new_token_ids:
-                self.generation_tokens.labels(self.model).inc(len(output.new_token_ids))
+                self._generation_tokens.inc(len(output.new_token_ids))
                 if previous is not None:
-                    self.itl.labels(self.model).observe(now - previous)
+                    self._itl.observe(now - previous)
                 self._last_token_time[output.request_id] = now
             if not output.finished:
                 return

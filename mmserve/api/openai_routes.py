@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -181,8 +181,15 @@ async def _sse(
             c.setdefault("finish_reason", None)
         return serving.sse(data)
 
+    def content_event(index: int) -> Callable[[str], str]:
+        """Choice `index`'s event for a content delta alone (no logprobs, not the last), as `chunk` renders it."""
+        return serving.text_event(lambda text: chunk([ChunkChoice(index=index, delta=Delta(content=text))]))
+
     choices = {i: _ChoiceState(chat.tool_parser.stream(tools=chat.tools) if chat.tool_parser else None)
                for i in range(n)}  # fmt: skip
+    # Per choice, the content-delta event as a template (None: every event through `chunk`): the usage on
+    # every chunk (continuous) varies, so that case keeps the models.
+    content_events: dict[int, Callable[[str], str]] | None = None if include_usage and continuous_usage else {}
     async with serving.aclosing(outputs):  # leaving early (disconnect -> cancellation) aborts the requests
         for i in range(n):
             yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
@@ -190,6 +197,14 @@ async def _sse(
             async for index, out in outputs:
                 latest[index] = out
                 choice = choices[index]
+                if (content_events is not None and choice.reader is None and out.logprobs is None
+                        and out.new_text and not out.finished):  # fmt: skip
+                    event = content_events.get(index)
+                    if event is None:
+                        event = content_events[index] = content_event(index)
+                    choice.sent_tokens = len(out.token_ids)
+                    yield event(out.new_text)
+                    continue
                 delta = choice.delta(out.new_text, out.finished)
                 if delta is None and not out.finished:
                     continue

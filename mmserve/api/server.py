@@ -95,6 +95,9 @@ def uvicorn_config(app: Any, settings: ServerSettings, **kwargs: Any) -> uvicorn
     """The connection-level limits of `settings` (header size, keep-alive, WebSocket ping) for uvicorn."""
     return uvicorn.Config(
         app,
+        # uvloop where it is installed (a dependency off Windows), else asyncio's: with uvloop the loop's own
+        # work per streamed token (its wake-up, the hand-over from the output thread, the socket write) is C.
+        loop="auto",
         http="h11",  # h11 enforces the header cap (httptools, if installed, has its own fixed one)
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.keep_alive_timeout_s,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 import threading
@@ -427,10 +426,13 @@ def _deliver(batch: _Batch) -> None:
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
     """A copy the consumer may keep while the output thread goes on updating the original (every field; the
-    lists it extends are copied)."""
-    return dataclasses.replace(
-        out,
-        token_ids=list(out.token_ids),
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        new_token_ids=list(out.new_token_ids),
-    )
+    lists it extends are copied). Copied field by field through `__dict__`, not with `dataclasses.replace`,
+    which runs the generated `__init__` with every field by keyword (this runs once a token per stream)."""
+    copy = object.__new__(RequestOutput)
+    fields = copy.__dict__
+    fields.update(out.__dict__)
+    fields["token_ids"] = list(out.token_ids)
+    fields["new_token_ids"] = list(out.new_token_ids)
+    if out.logprobs is not None:
+        fields["logprobs"] = list(out.logprobs)
+    return copy

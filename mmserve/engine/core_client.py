@@ -110,6 +110,7 @@ class EngineCoreClient:
         self._pull = self.context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(output_address)
+        self._recv_timeout_ms = -1  # the PULL socket's RCVTIMEO (-1: zmq's default, blocking)
         self._push = self.context.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 1000)
         self._send_lock = threading.Lock()
@@ -151,10 +152,17 @@ class EngineCoreClient:
 
     # -- receiving (the output thread) -------------------------------------------------------------
     def recv(self, timeout_s: float) -> Any:
-        """The next message from the core, or None after `timeout_s`."""
-        if not self._pull.poll(int(timeout_s * 1000)):
+        """The next message from the core, or None after `timeout_s`. One blocking receive with the socket's
+        timeout: no poller is built and polled per message (this runs once a token at one stream)."""
+        timeout_ms = int(timeout_s * 1000)
+        if timeout_ms != self._recv_timeout_ms:
+            self._pull.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._recv_timeout_ms = timeout_ms
+        try:
+            frames = self._pull.recv_multipart(copy=False)
+        except zmq.Again:
             return None
-        return self._decoder.decode(self._pull.recv_multipart(copy=False))
+        return self._decoder.decode(frames)
 
     def core_alive(self) -> bool:
         if self._process is not None:
