@@ -35,6 +35,7 @@ from mmserve.engine.serial import Decoder, Encoder
 from mmserve.engine.wire import (
     AbortRequests,
     AddRequest,
+    CoreDead,
     CoreInput,
     CoreOutput,
     Hello,
@@ -123,6 +124,7 @@ def test_every_output_message_round_trips() -> None:
         RequestRejected("s", "SloInfeasibleError", "later", None, 7.5),  # Retry-After crosses too
         UtilityResult(3, {"requests": 0}),
         UtilityResult(4, error="ValueError: x"),
+        CoreDead("EngineFatalError: injected"),
     ]:
         decoded, _ = roundtrip(message, CoreOutput)
         assert decoded == message

@@ -35,7 +35,7 @@ from mmserve.engine.loader import load_frontend, resolve_checkpoint
 from mmserve.engine.messages import EngineCoreOutputs, EngineInfo
 from mmserve.engine.output_processor import OutputProcessor, RequestOutput
 from mmserve.engine.processor import Message, PromptType
-from mmserve.engine.wire import RequestRejected, StepOutputs, UtilityResult
+from mmserve.engine.wire import CoreDead, RequestRejected, StepOutputs, UtilityResult
 from mmserve.errors import EngineDeadError, InvalidRequestError, MMServeError, PromptTooLongError
 from mmserve.request import SamplingParams
 from mmserve.scheduler.scheduler import SchedulerStats
@@ -346,6 +346,8 @@ class AsyncEngine:
                     self._on_rejected(message)
                 elif isinstance(message, UtilityResult):
                     self._on_utility(message)
+                elif isinstance(message, CoreDead):
+                    raise EngineDeadError(f"the engine core's loop died ({message.reason})")
                 self._flush()
         except BaseException as exc:  # the core died, or this loop broke: fail everyone, refuse new work
             if self._stopped:

@@ -28,6 +28,7 @@ from mmserve.engine.serial import Decoder, Encoder
 from mmserve.engine.wire import (
     AbortRequests,
     AddRequest,
+    CoreDead,
     CoreInput,
     Hello,
     MediaMirror,
@@ -206,6 +207,13 @@ class CoreServer:
             message = StepOutputs(EngineCoreOutputs(tuple(outputs), step.stats, record, loop))
             self._send(self.clients[index], message)
 
+    def announce_death(self, exc: BaseException) -> None:
+        """Tells every front end that the loop escaped (`CoreDead`), before the sockets close."""
+        message = CoreDead(f"{type(exc).__name__}: {exc}")
+        for client in self.clients.values():
+            with contextlib.suppress(Exception):  # dying anyway: a front end that cannot hear it sees the exit
+                self._send(client, message)
+
     def _send(self, client: _Client, message: Any) -> None:
         frames = self.encoder.encode(message)
         self.bytes_out += sum(len(f) for f in frames)
@@ -284,6 +292,9 @@ def run_engine_core(
         try:
             with startup_heap_frozen("engine core"):
                 server.serve(parent.sentinel if parent is not None and not in_process else None)
+        except BaseException as exc:
+            server.announce_death(exc)
+            raise
         finally:
             for client in server.clients.values():
                 client.socket.close(linger=1000)

@@ -85,6 +85,13 @@ class StartFailed(msgspec.Struct, tag="start_failed"):
     message: str
 
 
+class CoreDead(msgspec.Struct, tag="dead"):
+    """The core's loop escaped and the core is exiting (vLLM's ENGINE_CORE_DEAD): the front end fails every
+    stream now, not once it sees the process gone (after the teardown of its whole heap)."""
+
+    reason: str  # for the front end's log, never shown to clients
+
+
 class StepOutputs(msgspec.Struct, tag="outputs"):
     outputs: EngineCoreOutputs
 
@@ -105,7 +112,7 @@ class UtilityResult(msgspec.Struct, tag="utility_result"):
     error: str | None = None
 
 
-CoreOutput = Ready | StartFailed | StepOutputs | RequestRejected | UtilityResult
+CoreOutput = Ready | StartFailed | StepOutputs | RequestRejected | UtilityResult | CoreDead
 
 
 # -- requests across ---------------------------------------------------------------------------------
