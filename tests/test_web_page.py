@@ -104,7 +104,9 @@ def chat(page: Any, text: str) -> Any:
     n = page.locator(DONE).count()
     page.fill("#input", text)
     page.press("#input", "Enter")
-    sync_api.expect(page.locator(DONE)).to_have_count(n + 1)  # (no wait_for_function: the CSP forbids eval)
+    # A reply waits on the engine, not the page: the UI's 5 s default is too short for a slow machine's generation.
+    # (No wait_for_function: the CSP forbids eval.)
+    sync_api.expect(page.locator(DONE)).to_have_count(n + 1, timeout=60_000)
     return page.locator(DONE).nth(n)
 
 
@@ -248,6 +250,7 @@ def test_rejected_upload_shows_an_error_and_no_broken_thumbnail(
     page: Any, server: ServerThread, tmp_path: Path
 ) -> None:
     # Named like an image but text: the browser cannot show it, the server refuses it.
+    configure(page, max_tokens=4)  # the page's default of 512 sampled tokens took over 5 s on a slow CI machine
     fake = tmp_path / "notes.png"
     fake.write_bytes(b"these are my notes, not a picture\n" * 20)
     expected = httpx.post(
