@@ -101,6 +101,28 @@ def test_chunk_attention_tiles_match_dense(scores_per_tile: int, monkeypatch: py
     torch.testing.assert_close(got, dense_attention(query, key, value, 32**-0.5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fresh_prefill_takes_sdpas_flash_kernel(dtype: torch.dtype) -> None:
+    """A prefill with nothing cached before it is plain causal attention, and SDPA's flash kernel computes it
+    (a 3-D call, without the batch dimension, fell back to the math path: the whole [heads, seq_len, seq_len]
+    scores and mask, 6x slower on the CPU at 2,048 tokens); the result is dense attention's."""
+    torch.manual_seed(3)
+    block_size, num_blocks, seq_len = 16, 16, 97
+    query = torch.randn(seq_len, 8, 64, dtype=dtype)
+    key, value = torch.randn(seq_len, 2, 64, dtype=dtype), torch.randn(seq_len, 2, 64, dtype=dtype)
+    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 64, dtype=dtype)
+    blocks = torch.randperm(num_blocks)[: -(-seq_len // block_size)]
+    slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
+    reference.store_kv_cache(key, value, kv_cache, slots)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = reference.paged_attention(query, kv_cache, blocks[None], [0, seq_len], [seq_len], 0.125)
+    ops = {event.name for event in prof.events()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, dense_attention(query, key, value, 0.125), atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.skipif(not C_KERNEL, reason="no C compiler")
 def test_c_kernel_leaves_what_it_does_not_cover_to_the_reference() -> None:
     """fp64 queries and batches without decodes go to the reference whole; a mixed batch's prefill
