@@ -105,7 +105,7 @@ def test_chunk_attention_tiles_match_dense(scores_per_tile: int, monkeypatch: py
 def test_a_fresh_prefill_takes_sdpas_flash_kernel(dtype: torch.dtype) -> None:
     """A prefill with nothing cached before it is plain causal attention, and SDPA's flash kernel computes it
     (a 3-D call, without the batch dimension, fell back to the math path: the whole [heads, seq_len, seq_len]
-    scores and mask, 6x slower on the CPU at 2,048 tokens); the result is dense attention's."""
+    scores and mask); the result is dense attention's."""
     torch.manual_seed(3)
     block_size, num_blocks, seq_len = 16, 16, 97
     query = torch.randn(seq_len, 8, 64, dtype=dtype)
