@@ -101,6 +101,30 @@ def test_chunk_attention_tiles_match_dense(scores_per_tile: int, monkeypatch: py
     torch.testing.assert_close(got, dense_attention(query, key, value, 32**-0.5), atol=1e-5, rtol=1e-5)
 
 
+def test_a_long_fp32_chunk_after_a_short_head_is_padded_causal_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long fp32 chunk after a few cached tokens (a long prompt after a prefix-cached chat template head) goes
+    through the flash kernel as causal attention over zero-padded queries; the result is dense attention's, and the
+    shapes outside the rule keep the batched products."""
+    monkeypatch.setattr(reference, "_PAD_MIN_ROWS", 40)
+    torch.manual_seed(4)
+    block_size, num_blocks, cached, new = 16, 16, 21, 60
+    seq_len = cached + new
+    query = torch.randn(new, 8, 64)
+    key, value = torch.randn(seq_len, 2, 64), torch.randn(seq_len, 2, 64)
+    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 64)
+    blocks = torch.randperm(num_blocks)[: -(-seq_len // block_size)]
+    slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
+    reference.store_kv_cache(key, value, kv_cache, slots)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = reference.paged_attention(query, kv_cache, blocks[None], [0, new], [seq_len], 0.125)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in {event.name for event in prof.events()}
+    torch.testing.assert_close(out, dense_attention(query, key, value, 0.125), atol=1e-5, rtol=1e-5)
+    assert reference._pads_to_causal(torch.float32, 40, 80)
+    assert not reference._pads_to_causal(torch.float32, 39, 60)  # too few rows
+    assert not reference._pads_to_causal(torch.float32, 40, 81)  # more cached than new
+    assert not reference._pads_to_causal(torch.bfloat16, 40, 60)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fresh_prefill_takes_sdpas_flash_kernel(dtype: torch.dtype) -> None:
     """A prefill with nothing cached before it is plain causal attention, and SDPA's flash kernel computes it

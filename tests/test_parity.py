@@ -132,3 +132,17 @@ def test_prefix_caching_off_gives_same_output(case: tuple) -> None:
     llm = LLM(model_dir, enable_prefix_caching=False, max_num_batched_tokens=50)
     check(llm, shared, expected[len(prompts) :])
     assert llm.stats().prefix_cache_hits == 0
+
+
+def test_chunks_through_padded_causal_attention_keep_output(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fp32 chunk after no more cached tokens than its own takes the zero-padded causal flash call (the rule
+    is for chunks of 1,024+ rows; lowered here to reach the tiny prompts), and the outputs stay transformers'."""
+    from mmserve.kernels import reference
+
+    model_dir, prompts, _, expected = case
+    monkeypatch.setattr(reference, "_PAD_MIN_ROWS", 1)
+    calls = []
+    padded = reference._padded_causal_sdpa
+    monkeypatch.setattr(reference, "_padded_causal_sdpa", lambda *args: calls.append(1) or padded(*args))
+    check(LLM(model_dir, max_num_batched_tokens=64), prompts, expected[: len(prompts)])
+    assert calls  # the second 64-token chunk of each prompt over 64 tokens

@@ -136,8 +136,29 @@ def prefill_attention(
         num_q, seq_len = end - start, seq_lens[i]
         if num_q == seq_len:  # nothing cached before the chunk: plain causal, SDPA's fast path
             out[start:end] = _causal_sdpa(query[start:end], key, value, scale)
-            continue
-        out[start:end] = _chunk_attention(query[start:end], key, value, scale)
+        elif _pads_to_causal(query.dtype, num_q, seq_len):
+            out[start:end] = _padded_causal_sdpa(query[start:end], key, value, scale)
+        else:
+            out[start:end] = _chunk_attention(query[start:end], key, value, scale)
+
+
+# fp32 chunks of at least this many rows, after at most as many cached tokens, take _padded_causal_sdpa: there the
+# flash kernel's skipped upper half outweighs the pad rows' work. bf16's batched products beat it at every shape.
+_PAD_MIN_ROWS = 1024
+
+
+def _pads_to_causal(dtype: torch.dtype, num_q: int, seq_len: int) -> bool:
+    return dtype == torch.float32 and num_q >= _PAD_MIN_ROWS and seq_len - num_q <= num_q
+
+
+def _padded_causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk after cached context as plain causal attention over the whole sequence: the queries go in after
+    seq_len - num_q zero rows, so query j sits at position seq_len - num_q + j and the causal mask lets it see
+    exactly the keys up to there; the pad rows' outputs are dropped. Arguments as _chunk_attention's."""
+    num_q, seq_len = query.shape[0], key.shape[0]
+    padded = query.new_zeros(seq_len, *query.shape[1:])
+    padded[seq_len - num_q :] = query
+    return _causal_sdpa(padded, key, value, scale)[seq_len - num_q :]
 
 
 _SCORES_PER_TILE = 1 << 22  # fp32 attention scores held at once by _chunk_attention: 16 MiB
