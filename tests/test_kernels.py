@@ -101,6 +101,19 @@ def test_chunk_attention_tiles_match_dense(scores_per_tile: int, monkeypatch: py
     torch.testing.assert_close(got, dense_attention(query, key, value, 32**-0.5), atol=1e-5, rtol=1e-5)
 
 
+def cached_sequence(
+    key: torch.Tensor, value: torch.Tensor, block_size: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K/V [seq_len, num_kv_heads, head_dim] stored in shuffled blocks of a fresh cache: (the cache
+    [2, num_blocks, block_size, num_kv_heads, head_dim], the sequence's block ids)."""
+    seq_len = key.shape[0]
+    kv_cache = torch.zeros(2, num_blocks, block_size, *key.shape[1:], dtype=key.dtype)
+    blocks = torch.randperm(num_blocks)[: -(-seq_len // block_size)]
+    slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
+    reference.store_kv_cache(key, value, kv_cache, slots)
+    return kv_cache, blocks
+
+
 def test_a_long_fp32_chunk_after_a_short_head_is_padded_causal_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long fp32 chunk after a few cached tokens (a long prompt after a prefix-cached chat template head) goes
     through the flash kernel as causal attention over zero-padded queries; the result is dense attention's, and the
@@ -111,10 +124,7 @@ def test_a_long_fp32_chunk_after_a_short_head_is_padded_causal_attention(monkeyp
     seq_len = cached + new
     query = torch.randn(new, 8, 64)
     key, value = torch.randn(seq_len, 2, 64), torch.randn(seq_len, 2, 64)
-    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 64)
-    blocks = torch.randperm(num_blocks)[: -(-seq_len // block_size)]
-    slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
-    reference.store_kv_cache(key, value, kv_cache, slots)
+    kv_cache, blocks = cached_sequence(key, value, block_size, num_blocks)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = reference.paged_attention(query, kv_cache, blocks[None], [0, new], [seq_len], 0.125)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in {event.name for event in prof.events()}
@@ -134,10 +144,7 @@ def test_a_fresh_prefill_takes_sdpas_flash_kernel(dtype: torch.dtype) -> None:
     block_size, num_blocks, seq_len = 16, 16, 97
     query = torch.randn(seq_len, 8, 64, dtype=dtype)
     key, value = torch.randn(seq_len, 2, 64, dtype=dtype), torch.randn(seq_len, 2, 64, dtype=dtype)
-    kv_cache = torch.zeros(2, num_blocks, block_size, 2, 64, dtype=dtype)
-    blocks = torch.randperm(num_blocks)[: -(-seq_len // block_size)]
-    slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(seq_len)])
-    reference.store_kv_cache(key, value, kv_cache, slots)
+    kv_cache, blocks = cached_sequence(key, value, block_size, num_blocks)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = reference.paged_attention(query, kv_cache, blocks[None], [0, seq_len], [seq_len], 0.125)
     ops = {event.name for event in prof.events()}
